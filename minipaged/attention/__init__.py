@@ -1,0 +1,50 @@
+"""Attention backends: how a step's queries read the paged KV cache.
+
+* `torch_ref` (torch_ref.py): gathers each sequence's K/V through its block table and runs SDPA
+  with a causal offset. Readable, runs anywhere, and the oracle for every kernel test.
+* `triton` (triton_kernels.py): the Triton kernels of lesson 05. Default on CUDA.
+
+Every backend implements `AttentionBackend`: `prepare(metadata)` once per step (work that is the
+same for every layer), then `forward(...)` once per layer. The model never knows which one runs.
+"""
+from __future__ import annotations
+
+from minipaged.attention.metadata import AttentionBackend, AttentionMetadata
+
+BACKENDS = ("torch_ref", "triton")
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def default_backend_name(device: str) -> str:
+    """`triton` on CUDA, `torch_ref` elsewhere (CPU runs Triton only under TRITON_INTERPRET=1)."""
+    return "triton" if str(device).startswith("cuda") and triton_available() else "torch_ref"
+
+
+def get_attention_backend(name: str | None, device: str) -> AttentionBackend:
+    name = name or default_backend_name(device)
+    if name == "torch_ref":
+        from minipaged.attention.torch_ref import TorchRefBackend
+        return TorchRefBackend()
+    if name == "triton":
+        if not triton_available():
+            raise ValueError("attention_backend='triton' needs the `triton` package, which ships "
+                             "Linux wheels only; use attention_backend='torch_ref' here")
+        import os
+        if not str(device).startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention_backend='triton' on the CPU needs TRITON_INTERPRET=1 in the "
+                             "environment before minipaged is imported (the Triton interpreter); "
+                             "or use attention_backend='torch_ref'")
+        from minipaged.attention.triton_backend import TritonBackend
+        return TritonBackend()
+    raise ValueError(f"unknown attention_backend {name!r}; choose one of {BACKENDS}")
+
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend", "default_backend_name",
+           "BACKENDS"]

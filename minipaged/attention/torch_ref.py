@@ -1,0 +1,140 @@
+"""The reference attention backend: gather K/V through the block table, then plain SDPA.
+
+This is the readable *definition* of paged attention in minipaged (lesson 05 starts from it) and
+the oracle every Triton kernel is tested against. It is also the CPU fast path, so it is batched:
+per step it plans at most two groups of sequences (decodes, whose query length is 1, and
+prefills), and per layer it runs one gather and one masked SDPA per group - never a Python loop
+over sequences.
+
+    slots  = block_table[pos // block_size] * block_size + pos % block_size   # logical -> physical
+    K_seq  = k_cache.flatten(0, 1)[slots]                                     # (ctx, kv_heads, dim)
+    out    = softmax(q K_seq^T * scale + causal_mask) V_seq
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from minipaged.attention.metadata import AttentionBackend, AttentionMetadata
+
+
+@dataclass
+class _Group:
+    """Sequences attended together in one SDPA call (same padded query length)."""
+
+    token_index: torch.Tensor  # (G, max_q) flat token index of each padded query row
+    valid: Optional[torch.Tensor]  # (G, max_q) bool, None when no row is padding
+    slots: torch.Tensor  # (G, max_ctx) cache slot of every key position (0 where past the end)
+    mask: torch.Tensor  # (G, 1, max_q, max_ctx) bool: True = may attend
+
+
+@dataclass
+class TorchRefPlan:
+    store_slots: torch.Tensor  # (num_valid_tokens,) slots to write
+    store_tokens: Optional[torch.Tensor]  # token rows that are not padding (None: all of them)
+    groups: list[_Group]
+    identity_order: bool  # one group whose rows are exactly tokens 0..num_tokens-1
+
+
+def build_group(metadata: AttentionMetadata, seq_ids: list[int]) -> _Group:
+    """Plan one SDPA call for `seq_ids` (indices into the step's sequences)."""
+    device = metadata.block_tables.device
+    bs = metadata.block_size
+    qlens = [metadata.query_lens[i] for i in seq_ids]
+    ctx = [metadata.context_lens_host[i] for i in seq_ids]
+    max_q, max_ctx = max(qlens), max(ctx)
+    idx = torch.tensor(seq_ids, device=device, dtype=torch.long)
+    q_len = torch.tensor(qlens, device=device)[:, None]  # (G, 1)
+    ctx_len = metadata.context_lens[idx].long()[:, None]  # (G, 1)
+    q_start = metadata.cu_seqlens_q[idx].long()[:, None]  # (G, 1)
+
+    q_pos = torch.arange(max_q, device=device)[None, :]  # (1, max_q)
+    valid = q_pos < q_len  # (G, max_q)
+    token_index = torch.where(valid, q_start + q_pos, 0)
+    # Absolute position of each query row; padding rows look at key 0 only (and are discarded).
+    q_abs = torch.where(valid, ctx_len - q_len + q_pos, 0)  # (G, max_q)
+
+    k_pos = torch.arange(max_ctx, device=device)  # (max_ctx,)
+    tables = metadata.block_tables[idx].long()  # (G, max_blocks)
+    n_blocks = -(-max_ctx // bs)
+    blocks = tables[:, :n_blocks].repeat_interleave(bs, dim=1)[:, :max_ctx]  # (G, max_ctx)
+    slots = blocks * bs + (k_pos % bs)[None, :]
+    mask = (k_pos[None, None, :] <= q_abs[:, :, None]) & (k_pos[None, None, :] < ctx_len[:, :, None])
+    return _Group(token_index=token_index, valid=None if bool(valid.all()) else valid,
+                  slots=slots, mask=mask[:, None])  # (G, 1, max_q, max_ctx)
+
+
+class TorchRefBackend(AttentionBackend):
+    name = "torch_ref"
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        decodes = [i for i, n in enumerate(metadata.query_lens) if n == 1]
+        prefills = [i for i, n in enumerate(metadata.query_lens) if n > 1]
+        groups = [build_group(metadata, ids) for ids in (decodes, prefills) if ids]
+        slot_mapping = metadata.slot_mapping
+        keep = slot_mapping >= 0
+        all_valid = bool(keep.all())
+        identity = (len(groups) == 1 and groups[0].valid is None
+                    and groups[0].token_index.numel() == metadata.num_tokens)  # rows in token order
+        metadata.plan = TorchRefPlan(
+            store_slots=slot_mapping if all_valid else slot_mapping[keep],
+            store_tokens=None if all_valid else keep.nonzero().squeeze(1),
+            groups=groups, identity_order=identity)
+
+    def forward(self, q, k, v, k_cache, v_cache, metadata, scale):
+        plan: TorchRefPlan = metadata.plan
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # (num_blocks * block_size, kv_heads, dim)
+        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        # 1. store: each new token's K/V goes to its slot (padding tokens are skipped).
+        if plan.store_tokens is None:
+            k_flat.index_copy_(0, plan.store_slots, k.to(k_cache.dtype))
+            v_flat.index_copy_(0, plan.store_slots, v.to(v_cache.dtype))
+        else:
+            k_flat.index_copy_(0, plan.store_slots, k[plan.store_tokens].to(k_cache.dtype))
+            v_flat.index_copy_(0, plan.store_slots, v[plan.store_tokens].to(v_cache.dtype))
+        # 2. attend, one SDPA per group.
+        out = q.new_empty(q.shape) if not plan.identity_order else None
+        for g in plan.groups:
+            qg = q[g.token_index].transpose(1, 2)  # (G, max_q, heads, dim) -> (G, heads, max_q, dim)
+            kg = k_flat[g.slots].transpose(1, 2).to(q.dtype)  # (G, kv_heads, max_ctx, dim)
+            vg = v_flat[g.slots].transpose(1, 2).to(q.dtype)
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
+                                                enable_gqa=True)
+            og = og.transpose(1, 2)  # (G, max_q, heads, dim)
+            if plan.identity_order:
+                return og.reshape(q.shape)
+            if g.valid is None:
+                out[g.token_index.flatten()] = og.flatten(0, 1)
+            else:
+                out[g.token_index[g.valid]] = og[g.valid]
+        return out
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention over a cache that already holds this step's K/V: the oracle for kernel tests.
+
+    A deliberately simple per-sequence loop, independent of the batched planner above.
+    """
+    out = torch.empty_like(q)
+    bs = metadata.block_size
+    kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // kv_heads
+    for i, (q_len, ctx) in enumerate(zip(metadata.query_lens, metadata.context_lens_host)):
+        start = int(metadata.cu_seqlens_q[i])
+        pos = torch.arange(ctx, device=q.device)
+        slots = metadata.block_tables[i].long()[pos // bs] * bs + pos % bs
+        ks = k_cache.reshape(-1, kv_heads, dim)[slots].float()  # (ctx, kv_heads, dim)
+        vs = v_cache.reshape(-1, kv_heads, dim)[slots].float()
+        ks = ks.repeat_interleave(group, dim=1).transpose(0, 1)  # (heads, ctx, dim)
+        vs = vs.repeat_interleave(group, dim=1).transpose(0, 1)
+        qs = q[start:start + q_len].float().transpose(0, 1)  # (heads, q_len, dim)
+        scores = qs @ ks.transpose(1, 2) * scale  # (heads, q_len, ctx)
+        q_abs = ctx - q_len + torch.arange(q_len, device=q.device)
+        scores = scores.masked_fill(pos[None, None, :] > q_abs[None, :, None], float("-inf"))
+        out[start:start + q_len] = (scores.softmax(-1) @ vs).transpose(0, 1).to(q.dtype)
+    return out

@@ -1,0 +1,335 @@
+"""Paged KV-cache bookkeeping: which physical block holds which tokens of which sequence.
+
+Lesson 02 (`notebooks/02_block_manager.ipynb`) walks through this file; lesson 01 plots its
+accounting. Nothing here touches a tensor: the K/V tensors live in `kv_cache.py`, and this module
+only hands out block *ids*, exactly like an operating system's page allocator hands out frames.
+
+Two layers, following vLLM's names:
+
+* `BlockAllocator` owns the physical blocks: a free queue, a reference count per block, and the
+  prefix-cache index (block hash -> block). A block whose ref count drops to 0 goes to the *back*
+  of the free queue but keeps its hash, so a later request with the same prefix can take it back
+  ("cached"); new allocations pop from the *front*, evicting the least recently freed block first.
+* `BlockManager` owns one `block_table` per sequence (logical block i -> physical block id) and
+  speaks the scheduler's language: `can_allocate / allocate / can_append / append_slots / fork /
+  free`. Copy-on-write: when a sequence is about to write into a block another sequence also
+  references (after `fork`), it gets a private copy first and the caller is told which block to copy.
+
+A block's hash is `hash((parent_block_hash, token_ids_of_this_block))`, so equal hashes mean equal
+*prefixes*, not just equal blocks; token ids are compared on every hit to rule out collisions.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from minipaged.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: Optional[int] = None  # set once the block is full and its K/V are written
+    token_ids: tuple[int, ...] = ()  # the tokens a hashed block holds, to verify cache hits
+
+
+class BlockAllocator:
+    """Physical blocks, their ref counts, the free queue (LRU order) and the prefix-hash index."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Blocks with ref_count == 0, front = next to be handed out (and evicted from the cache).
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.num_cached_free = 0  # free blocks that still hold a reusable, hashed prefix
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (cached-but-unreferenced blocks included)."""
+        return len(self.free_queue)
+
+    def allocate(self) -> Block:
+        """Take the least recently freed block; if it still held a cached prefix, evict it."""
+        if not self.free_queue:
+            raise RuntimeError("BlockAllocator is out of blocks; the scheduler must check "
+                               "can_allocate/can_append before allocating")
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            self._drop_hash(block)
+            self.num_cached_free -= 1
+            self.num_evictions += 1
+        block.ref_count = 1
+        return block
+
+    def incref(self, block: Block) -> None:
+        if block.ref_count == 0:  # a cached free block comes back into use
+            del self.free_queue[block.block_id]
+            if block.block_hash is not None:
+                self.num_cached_free -= 1
+        block.ref_count += 1
+
+    def decref(self, block: Block) -> None:
+        if block.ref_count <= 0:
+            raise RuntimeError(f"double free of block {block.block_id}")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_queue[block.block_id] = None  # back of the queue: evicted last
+            if block.block_hash is not None:
+                self.num_cached_free += 1
+
+    # --- prefix cache -----------------------------------------------------------------------
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> Optional[Block]:
+        block_id = self.hash_to_block.get(block_hash)
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        return block if block.token_ids == token_ids else None  # a hash collision is a miss
+
+    def register(self, block: Block, block_hash: int, token_ids: tuple[int, ...]) -> None:
+        """Publish a full, written block to the prefix cache (first writer wins)."""
+        if not self.enable_prefix_caching or block.block_hash is not None:
+            return
+        if block_hash in self.hash_to_block:
+            return  # another block already caches this prefix
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        self.hash_to_block[block_hash] = block.block_id
+
+    def _drop_hash(self, block: Block) -> None:
+        if self.hash_to_block.get(block.block_hash) == block.block_id:
+            del self.hash_to_block[block.block_hash]
+        block.block_hash = None
+        block.token_ids = ()
+
+
+def hash_block(parent_hash: Optional[int], token_ids: tuple[int, ...]) -> int:
+    """Prefix-aware block hash: equal hashes mean equal token prefixes up to this block."""
+    return hash((parent_hash, token_ids))
+
+
+@dataclass
+class BlockUsage:
+    """A snapshot of the cache for the lessons' plots (lesson 01)."""
+
+    num_blocks: int
+    block_size: int
+    num_used_blocks: int  # ref_count > 0
+    num_cached_blocks: int  # ref_count == 0 but holding a reusable prefix
+    num_free_blocks: int  # ref_count == 0 and empty (cached blocks not included)
+    num_tokens_stored: int  # token slots in used blocks that hold a token (shared blocks once)
+    num_slots_allocated: int  # num_used_blocks * block_size
+
+    @property
+    def internal_fragmentation(self) -> int:
+        """Slots in used blocks that hold no token (the tail of each sequence's last block)."""
+        return self.num_slots_allocated - self.num_tokens_stored
+
+    @property
+    def token_state_share(self) -> float:
+        """Share of allocated KV slots that hold a token's state (vLLM paper, Fig. 2)."""
+        return self.num_tokens_stored / self.num_slots_allocated if self.num_slots_allocated else 1.0
+
+
+class BlockManager:
+    """Per-sequence block tables on top of a `BlockAllocator` (see the module docstring)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
+        self.block_tables: dict[int, list[int]] = {}  # seq_id -> physical block ids
+        self.num_slots: dict[int, int] = {}  # seq_id -> token slots its table covers so far
+        self._hashes: dict[int, list[int]] = {}  # seq_id -> chain hashes of its full blocks
+        # Prefix-cache statistics (lesson 02, issue on sharing): prompt tokens asked / served.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # --- sizes ------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --- admission --------------------------------------------------------------------------
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[Block], int]:
+        """Longest cached prefix of `seq` in whole blocks: (blocks, number of tokens they hold).
+
+        At least one token is always left to compute, because the engine needs the logits of
+        the last token to sample the next one (vLLM does the same).
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        bs = self.block_size
+        tokens = seq.token_ids
+        hits: list[Block] = []
+        parent: Optional[int] = None
+        for start in range(0, len(tokens) - 1 - bs + 1, bs):  # only blocks inside tokens[:-1]
+            chunk = tuple(tokens[start:start + bs])
+            h = hash_block(parent, chunk)
+            block = self.allocator.lookup(h, chunk)
+            if block is None:
+                break
+            hits.append(block)
+            parent = h
+        return hits, len(hits) * bs
+
+    def can_allocate(self, seq: Sequence, computed_blocks: list[Block], num_new_tokens: int) -> bool:
+        """Can `seq` (no blocks yet) get its cached prefix plus room for `num_new_tokens`?"""
+        num_computed = len(computed_blocks) * self.block_size
+        needed = self.num_blocks_for(num_computed + num_new_tokens) - len(computed_blocks)
+        # Cached hits with ref_count 0 sit in the free queue: reusing them also takes free blocks.
+        needed += sum(1 for b in computed_blocks if b.ref_count == 0)
+        return needed <= self.allocator.num_free_blocks
+
+    def allocate(self, seq: Sequence, computed_blocks: list[Block], num_new_tokens: int) -> None:
+        """Give a new (or recomputing) sequence its block table: cached prefix + fresh blocks."""
+        if seq.seq_id in self.block_tables:
+            raise RuntimeError(f"sequence {seq.seq_id} already has a block table")
+        for block in computed_blocks:
+            self.allocator.incref(block)
+        table = [b.block_id for b in computed_blocks]
+        num_computed = len(computed_blocks) * self.block_size
+        total = num_computed + num_new_tokens
+        table += [self.allocator.allocate().block_id
+                  for _ in range(self.num_blocks_for(total) - len(table))]
+        self.block_tables[seq.seq_id] = table
+        self.num_slots[seq.seq_id] = total
+        self._hashes[seq.seq_id] = [self.allocator.blocks[b].block_hash for b in table[:len(computed_blocks)]]
+        seq.num_computed_tokens = num_computed
+        seq.num_cached_tokens = num_computed
+        if self.enable_prefix_caching:
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += num_computed
+
+    # --- growth -----------------------------------------------------------------------------
+    def _needs_cow(self, seq: Sequence) -> Optional[int]:
+        """Index of the block the next token lands in, if another sequence shares it."""
+        table = self.block_tables[seq.seq_id]
+        idx = seq.num_computed_tokens // self.block_size
+        if idx < len(table) and self.allocator.blocks[table[idx]].ref_count > 1:
+            return idx
+        return None
+
+    def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
+        table = self.block_tables[seq.seq_id]
+        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(table)
+        needed = max(needed, 0) + (1 if self._needs_cow(seq) is not None else 0)
+        return needed <= self.allocator.num_free_blocks
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> list[tuple[int, int]]:
+        """Make room for `num_new_tokens` more tokens; returns CoW copies as (src, dst) block ids."""
+        table = self.block_tables[seq.seq_id]
+        copies: list[tuple[int, int]] = []
+        idx = self._needs_cow(seq)
+        if idx is not None:  # copy-on-write: never write into a block someone else reads
+            src = self.allocator.blocks[table[idx]]
+            dst = self.allocator.allocate()
+            self.allocator.decref(src)
+            table[idx] = dst.block_id
+            copies.append((src.block_id, dst.block_id))
+        total = seq.num_computed_tokens + num_new_tokens
+        while len(table) < self.num_blocks_for(total):
+            table.append(self.allocator.allocate().block_id)
+        self.num_slots[seq.seq_id] = max(self.num_slots[seq.seq_id], total)
+        return copies
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Publish blocks whose every slot is now computed, so later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._hashes[seq.seq_id]
+        table = self.block_tables[seq.seq_id]
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens // bs, len(table))
+        for i in range(len(hashes), num_full):
+            chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = hash_block(hashes[-1] if hashes else None, chunk)
+            hashes.append(h)
+            self.allocator.register(self.allocator.blocks[table[i]], h, chunk)
+
+    # --- sharing and release ----------------------------------------------------------------
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares every block of `parent` (ref counts +1); writes will copy-on-write."""
+        table = list(self.block_tables[parent.seq_id])
+        for b in table:
+            self.allocator.incref(self.allocator.blocks[b])
+        self.block_tables[child.seq_id] = table
+        self.num_slots[child.seq_id] = self.num_slots[parent.seq_id]
+        self._hashes[child.seq_id] = list(self._hashes[parent.seq_id])
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references; tail blocks first, so they are evicted first."""
+        table = self.block_tables.pop(seq.seq_id, None)
+        if table is None:
+            return
+        for b in reversed(table):
+            self.allocator.decref(self.allocator.blocks[b])
+        del self.num_slots[seq.seq_id]
+        del self._hashes[seq.seq_id]
+
+    def get_block_table(self, seq: Sequence) -> list[int]:
+        return self.block_tables[seq.seq_id]
+
+    # --- accounting -------------------------------------------------------------------------
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def usage(self) -> BlockUsage:
+        """Exact counts from the tables: used / cached / free blocks, tokens and empty slots."""
+        bs = self.block_size
+        filled: dict[int, int] = {}  # physical block -> slots holding a token (max over sharers)
+        for seq_id, table in self.block_tables.items():
+            n = self.num_slots[seq_id]
+            for i, b in enumerate(table):
+                filled[b] = max(filled.get(b, 0), min(bs, max(n - i * bs, 0)))
+        a = self.allocator
+        num_used = a.num_blocks - a.num_free_blocks
+        return BlockUsage(
+            num_blocks=a.num_blocks, block_size=bs, num_used_blocks=num_used,
+            num_cached_blocks=a.num_cached_free,
+            num_free_blocks=a.num_free_blocks - a.num_cached_free,
+            num_tokens_stored=sum(filled.values()), num_slots_allocated=num_used * bs)
+
+    def check_invariants(self, live_seq_ids: Optional[Iterable[int]] = None) -> None:
+        """Raise if ref counts, the free queue or the hash index disagree with the tables.
+
+        Used by the property tests; cheap enough to call from a notebook after every step.
+        """
+        a = self.allocator
+        refs = [0] * a.num_blocks
+        for table in self.block_tables.values():
+            for b in table:
+                refs[b] += 1
+        for block in a.blocks:
+            if block.ref_count != refs[block.block_id]:
+                raise AssertionError(f"block {block.block_id}: ref_count {block.ref_count} "
+                                     f"but {refs[block.block_id]} table references")
+            in_free = block.block_id in a.free_queue
+            if in_free != (block.ref_count == 0):
+                raise AssertionError(f"block {block.block_id}: ref_count {block.ref_count}, "
+                                     f"in free queue: {in_free}")
+        for h, b in a.hash_to_block.items():
+            if a.blocks[b].block_hash != h:
+                raise AssertionError(f"hash index points at block {b} whose hash differs")
+        cached = sum(1 for b in a.free_queue if a.blocks[b].block_hash is not None)
+        if cached != a.num_cached_free:
+            raise AssertionError(f"num_cached_free {a.num_cached_free} != {cached}")
+        if live_seq_ids is not None and set(live_seq_ids) != set(self.block_tables):
+            raise AssertionError("block tables exist for sequences that are not live")
