@@ -1,0 +1,83 @@
+"""`EngineConfig`: every knob of the engine in one place, checked before anything is allocated.
+
+vLLM's names, vLLM's defaults where they make sense on a laptop, and errors that teach: each one
+says what is wrong, the numbers involved, and which knob to turn (lesson 00 triggers them on
+purpose).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+GiB = 1024 ** 3
+
+
+@dataclass
+class EngineConfig:
+    model: str = "stories260K"
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"
+    max_model_len: Optional[int] = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None  # None: see `resolve`
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_blocks: Optional[int] = None  # explicit cache size in blocks (wins over memory knobs)
+    kv_cache_memory: Optional[int] = None  # explicit cache size in bytes (CPU default: see kv_cache)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+    seed: int = 0
+    device: str = "auto"
+    attention_backend: Optional[str] = None  # None: "triton" on CUDA, "torch_ref" elsewhere
+    record_block_tables: bool = False  # snapshot every block table into the trace (lessons)
+
+    def validate(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.preemption_mode != "recompute":
+            raise ValueError(f"preemption_mode={self.preemption_mode!r}: only 'recompute' is "
+                             "implemented")
+
+    def resolve(self, max_position_embeddings: int) -> None:
+        """Fill the `None` defaults from the model and check them against it."""
+        if self.max_model_len is None:
+            self.max_model_len = max_position_embeddings
+        elif self.max_model_len > max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is larger than the model's "
+                f"max_position_embeddings={max_position_embeddings}: positions beyond the trained "
+                f"context give garbage. Use max_model_len <= {max_position_embeddings}.")
+        if self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = (2048 if self.enable_chunked_prefill
+                                           else max(self.max_model_len, 2048))
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
+                f"max_model_len={self.max_model_len}; without chunked prefill a prompt that long "
+                f"could never be scheduled. Raise max_num_batched_tokens, lower max_model_len, "
+                f"or set enable_chunked_prefill=True.")
+        if self.max_num_batched_tokens < self.max_num_seqs and self.enable_chunked_prefill is False:
+            pass  # decodes simply queue; nothing to check
+
+
+def kv_cache_too_small_error(*, max_model_len: int, bytes_per_token: int, available_bytes: int,
+                             block_size: int, source: str) -> ValueError:
+    """vLLM-style message: needed vs available GiB, the largest max_model_len that fits, knobs."""
+    blocks_needed = -(-max_model_len // block_size)
+    needed = blocks_needed * block_size * bytes_per_token
+    fits = (available_bytes // (bytes_per_token * block_size)) * block_size
+    return ValueError(
+        f"To serve at least one request with max_model_len={max_model_len}, the KV cache needs "
+        f"{needed / GiB:.4f} GiB ({bytes_per_token} bytes per token), but only "
+        f"{available_bytes / GiB:.4f} GiB is available for it ({source}). The largest "
+        f"max_model_len that fits is {fits}. Lower max_model_len, or give the cache more memory: "
+        f"raise gpu_memory_utilization (on a GPU), or num_blocks / kv_cache_memory.")

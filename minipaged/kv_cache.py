@@ -1,0 +1,81 @@
+"""The physical KV cache: one tensor holding every layer's K and V blocks.
+
+    kv_cache: (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+              layer ─┘    └─ 0 = K, 1 = V
+
+Per layer this is vLLM's Triton layout `[num_blocks, block_size, num_kv_heads, head_dim]`: one
+block-table entry addresses a contiguous slab. Slot `s` is (block s // block_size, offset
+s % block_size). Lesson 00 derives the size formula
+
+    bytes per token = 2 x num_layers x num_kv_heads x head_dim x bytes_per_element
+
+and lesson 01 shows why handing it out block by block wastes so little.
+
+How many blocks: an explicit `num_blocks`, else an explicit `kv_cache_memory` (bytes), else on
+CUDA what is left of `gpu_memory_utilization x total memory` after weights and a profiled forward
+pass at `max_num_batched_tokens`, else on CPU enough for `max_num_seqs` full-length sequences,
+capped at 4 GiB.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from minipaged.config import GiB, EngineConfig, kv_cache_too_small_error
+from minipaged.models.config import ModelConfig
+
+CPU_DEFAULT_CAP = 4 * GiB
+
+
+def block_bytes(model_cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return model_cfg.kv_bytes_per_token(dtype) * block_size
+
+
+def determine_num_blocks(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype,
+                         device: torch.device, profile: Optional[Callable[[], int]] = None) -> int:
+    """Number of blocks the cache gets; raises if one `max_model_len` sequence does not fit.
+
+    `profile()` (CUDA only) runs a dummy forward at the largest step and returns peak bytes used.
+    """
+    per_block = block_bytes(model_cfg, cfg.block_size, dtype)
+    if cfg.num_blocks is not None:
+        num_blocks, available, source = cfg.num_blocks, cfg.num_blocks * per_block, \
+            f"num_blocks={cfg.num_blocks}"
+    elif cfg.kv_cache_memory is not None:
+        available, source = int(cfg.kv_cache_memory), f"kv_cache_memory={cfg.kv_cache_memory}"
+        num_blocks = available // per_block
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        peak = profile() if profile is not None else torch.cuda.max_memory_allocated(device)
+        other = total - free - torch.cuda.memory_reserved(device)  # other processes on the GPU
+        available = int(total * cfg.gpu_memory_utilization) - peak - max(other, 0)
+        source = (f"gpu_memory_utilization={cfg.gpu_memory_utilization} of {total / GiB:.2f} GiB, "
+                  f"minus {peak / GiB:.2f} GiB for weights and activations")
+        num_blocks = max(available, 0) // per_block
+    else:
+        want = cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size)
+        num_blocks = max(1, min(want, CPU_DEFAULT_CAP // per_block))
+        available, source = num_blocks * per_block, "CPU default"
+    if num_blocks * cfg.block_size < cfg.max_model_len:
+        raise kv_cache_too_small_error(max_model_len=cfg.max_model_len,
+                                       bytes_per_token=model_cfg.kv_bytes_per_token(dtype),
+                                       available_bytes=max(available, 0),
+                                       block_size=cfg.block_size, source=source)
+    return int(num_blocks)
+
+
+def allocate_kv_cache(model_cfg: ModelConfig, num_blocks: int, block_size: int,
+                      dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    shape = (model_cfg.num_hidden_layers, 2, num_blocks, block_size,
+             model_cfg.num_key_value_heads, model_cfg.head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def copy_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
+    """Copy-on-write: duplicate whole blocks, every layer, K and V at once."""
+    if not copies:
+        return
+    src = torch.tensor([s for s, _ in copies], device=kv_cache.device)
+    dst = torch.tensor([d for _, d in copies], device=kv_cache.device)
+    kv_cache[:, :, dst] = kv_cache[:, :, src]

@@ -1,0 +1,123 @@
+"""`LLM`: the offline API, shaped like vLLM's.
+
+    from minipaged import LLM, SamplingParams
+    llm = LLM("stories260K")
+    outs = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=40))
+    print(outs[0].outputs[0].text)
+
+It tokenises, queues every prompt with `LLMEngine.add_request`, calls `step()` until all are
+done, and returns `RequestOutput`s in the order of the prompts. `llm.engine` exposes the engine,
+its scheduler, block manager and trace for the lessons.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Optional, Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from minipaged.config import EngineConfig
+from minipaged.engine import LLMEngine, RequestError
+from minipaged.outputs import RequestOutput
+from minipaged.sampling import SamplingParams
+
+PromptType = str | list[int] | dict
+
+
+class LLM:
+    def __init__(self, model: str = "stories260K", tokenizer: Optional[str] = None,
+                 dtype: str = "auto", max_model_len: Optional[int] = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: Optional[int] = None, block_size: int = 16,
+                 gpu_memory_utilization: float = 0.9, num_blocks: Optional[int] = None,
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                 seed: int = 0, device: str = "auto", **kwargs):
+        self.config = EngineConfig(
+            model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
+            num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill, seed=seed, device=device, **kwargs)
+        self.engine = LLMEngine(self.config)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    @staticmethod
+    def _normalize_prompts(prompts) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts]  # a single prompt given as token ids
+        return prompts
+
+    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (text, token ids, or {"prompt_token_ids": [...]})."""
+        prompts = self._normalize_prompts(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        # Validate every prompt before queueing any, so a bad one leaves the engine untouched.
+        inputs = []
+        for p in prompts:
+            if isinstance(p, dict):
+                p = p.get("prompt_token_ids", p.get("prompt"))
+            inputs.append(p)
+        ids = [f"{next(self._counter)}" for _ in inputs]
+        added = []
+        try:
+            for rid, prompt, sp in zip(ids, inputs, params):
+                self.engine.add_request(rid, prompt, sp)
+                added.append(rid)
+        except RequestError:
+            self.engine.abort_request(added)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        n_out = 0
+        try:
+            while len(results) < len(ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        results[out.request_id] = out
+                        n_out += len(out.outputs[0].token_ids)
+                        bar.update(1)
+                        bar.set_postfix_str(f"{n_out / max(bar.format_dict['elapsed'], 1e-9):.0f} tok/s")
+        finally:
+            bar.close()
+        return [results[i] for i in ids]
+
+    def chat(self, messages, sampling_params: Optional[SamplingParams] = None,
+             use_tqdm: bool = True, chat_template: Optional[str] = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Chat through the tokenizer's chat template (one conversation or a list of them)."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        if chat_template is None and getattr(tok, "chat_template", None) is None:
+            raise ValueError(f"the tokenizer of {self.config.model!r} has no chat template (it is "
+                             "probably a base model); pass chat_template=... or use generate()")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [tok.apply_chat_template(c, tokenize=False, chat_template=chat_template,
+                                           add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        # The template already holds BOS if the model wants one: tokenize without adding it again.
+        token_ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
+        return self.generate([{"prompt_token_ids": t} for t in token_ids], sampling_params, use_tqdm)
+
+    @property
+    def trace(self):
+        return self.engine.trace
+
+
+__all__ = ["LLM"]

@@ -1,0 +1,93 @@
+"""One engine step on the model: flatten the scheduled work, run the forward, return logits.
+
+Lesson 03 prints what this file builds. For a step with sequences A (prefill chunk of 3 tokens,
+nothing cached) and B (decode, 5 tokens already cached), block_size 4:
+
+    input_ids      [a0 a1 a2 | b5]          the new tokens, end to end (no padding)
+    positions      [ 0  1  2 |  5]
+    slot_mapping   [A0*4+0, A0*4+1, A0*4+2 | B1*4+1]   where each new K/V is written
+    cu_seqlens_q   [0, 3, 4]                  sequence i owns tokens cu[i]:cu[i+1]
+    context_lens   [3, 6]                     tokens in the cache after this step
+    block_tables   [[A0, 0], [B0, B1]]        padded with 0
+
+These go into an `AttentionMetadata` that is passed explicitly to every layer. Only the rows of
+sequences that reach their last known token are turned into logits (a partial prefill chunk
+samples nothing).
+"""
+from __future__ import annotations
+
+import torch
+
+from minipaged.attention import AttentionBackend, AttentionMetadata
+from minipaged.block_manager import BlockManager
+from minipaged.kv_cache import copy_blocks
+from minipaged.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model, kv_cache: torch.Tensor, block_manager: BlockManager,
+                 backend: AttentionBackend, device: torch.device):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_manager = block_manager
+        self.backend = backend
+        self.device = device
+        self.block_size = block_manager.block_size
+
+    def prepare_inputs(self, sched: SchedulerOutput):
+        """Flatten the step into tensors: (input_ids, positions, attn_metadata, sample_rows)."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []  # index (in input_ids) of the last token of sampling sequences
+        for s in sched.scheduled:
+            seq, n = s.seq, s.num_new_tokens
+            start = seq.num_computed_tokens
+            table = self.block_manager.get_block_table(seq)
+            input_ids += seq.token_ids[start:start + n]
+            pos = range(start, start + n)
+            positions += pos
+            slot_mapping += [table[p // bs] * bs + p % bs for p in pos]
+            query_lens.append(n)
+            context_lens.append(start + n)
+            tables.append(table)
+            if s.samples:
+                sample_rows.append(len(input_ids) - 1)
+        max_blocks = max(len(t) for t in tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        cu = [0]
+        for n in query_lens:
+            cu.append(cu[-1] + n)
+        dev = self.device
+
+        def tensor(x, dtype):
+            return torch.tensor(x, dtype=dtype, device=dev)
+
+        metadata = AttentionMetadata(
+            slot_mapping=tensor(slot_mapping, torch.int64),
+            block_tables=tensor(padded, torch.int32),
+            context_lens=tensor(context_lens, torch.int32),
+            cu_seqlens_q=tensor(cu, torch.int32),
+            query_lens=query_lens,
+            context_lens_host=context_lens,
+            max_query_len=max(query_lens),
+            max_context_len=max(context_lens),
+            block_size=bs,
+            num_decode_tokens=sum(1 for n in query_lens if n == 1),
+        )
+        return tensor(input_ids, torch.int64), tensor(positions, torch.int64), metadata, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Run one step; returns fp32 logits (num_sampling_seqs, vocab)."""
+        copy_blocks(self.kv_cache, sched.blocks_to_copy)
+        input_ids, positions, metadata, sample_rows = self.prepare_inputs(sched)
+        self.backend.prepare(metadata)
+        hidden = self.model(input_ids, positions, self.kv_cache, metadata)  # (num_tokens, hidden)
+        if len(sample_rows) != hidden.shape[0]:
+            hidden = hidden[torch.tensor(sample_rows, device=self.device)]
+        return self.model.compute_logits(hidden)  # (num_sampling_seqs, vocab)

@@ -1,0 +1,239 @@
+"""The Llama family, written once: Llama, Mistral, Qwen2/Qwen2.5 and Qwen3.
+
+Lesson 00 compares it with Hugging Face's implementation; the parity tests prove they agree
+token for token. Unlike HF, every tensor here is *flat*: a step is `num_tokens` tokens from many
+sequences packed end to end, with no batch or padding dimension. Where each token sits and which
+cache slots it reads is in the `AttentionMetadata` passed explicitly down from the model runner.
+
+The switches that separate the family members:
+    Llama / Mistral   none
+    Qwen2 / Qwen2.5   bias on the q, k and v projections      (ModelConfig.attention_bias)
+    Qwen3             per-head RMSNorm on q and k before RoPE  (ModelConfig.qk_norm)
+
+Like vLLM, q/k/v are one matmul (`qkv_proj`) and gate/up another (`gate_up_proj`); the loader
+stacks HF's separate weights into them.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minipaged.attention import AttentionBackend, AttentionMetadata
+from minipaged.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 exactly as HF does."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Per-pair rotation frequencies, including the `llama3` and `linear` scalings."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":  # Llama 3.1/3.2: stretch low frequencies, keep high ones
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope_type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """HF-style ("rotate_half") RoPE with a precomputed fp32 cos/sin table per position."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.cfg, self.max_positions = cfg, max_positions
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+
+    def init_table(self, device: torch.device) -> None:
+        """Fill the fp32 cos/sin table (kept fp32 whatever the model dtype, like HF)."""
+        inv_freq = rope_inv_freq(self.cfg)
+        t = torch.arange(self.max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # (max_positions, head_dim / 2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (max_positions, head_dim)
+        self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].to(q.dtype)[:, None, :]  # (num_tokens, 1, head_dim)
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        q = q * cos + self._rotate_half(q) * sin
+        k = k * cos + self._rotate_half(k) * sin
+        return q, k
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.backend = backend
+
+    def forward(self, positions, hidden, kv_cache, attn_metadata: AttentionMetadata):
+        n = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # (num_tokens, (heads + 2 * kv_heads) * head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)  # (num_tokens, heads, head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)  # (num_tokens, kv_heads, head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata, self.scale)
+        return self.o_proj(out.reshape(n, self.q_size))  # (num_tokens, hidden)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # SwiGLU
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, backend)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, hidden, kv_cache, attn_metadata):
+        residual = hidden
+        hidden = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, attn_metadata)
+        hidden = residual + hidden
+        residual = hidden
+        return residual + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Flat-token causal LM: `forward` returns hidden states, `compute_logits` the vocab scores."""
+
+    # HF checkpoint names that are stacked into one of our parameters: (ours, theirs, shard index)
+    stacked_params = [("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
+                      ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, backend)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg, max_positions)
+        for layer in self.model.layers:  # one shared table; plain attribute, not a submodule
+            object.__setattr__(layer.self_attn, "rotary", self.rotary)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: (num_tokens,); kv_caches: (layers, 2, blocks, block_size, kv_heads, dim)."""
+        hidden = self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            hidden = layer(positions, hidden, kv_cache, attn_metadata)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()  # (num_rows, vocab)
+
+    # --- weights ----------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, stacking q/k/v and gate/up; complain about anything missing."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            for ours, theirs, shard in self.stacked_params:
+                if f".{theirs}." in name:
+                    target = name.replace(f".{theirs}.", f".{ours}.")
+                    param = params[target]
+                    sizes = self._shard_sizes(ours, param.shape[0])
+                    start = sum(sizes[:shard])
+                    param.data[start:start + sizes[shard]].copy_(tensor)
+                    loaded.add(f"{target}#{shard}")
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+                params[name].data.copy_(tensor)
+                loaded.add(name)
+        expected = set()
+        for pname in params:
+            stacked = [(o, s) for o, _, s in self.stacked_params if f".{o}." in pname]
+            expected |= {f"{pname}#{s}" for _, s in stacked} if stacked else {pname}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
+
+    def _shard_sizes(self, ours: str, total: int) -> list[int]:
+        cfg = self.config
+        if ours == "qkv_proj":
+            kv = cfg.num_key_value_heads * cfg.head_dim
+            return [total - 2 * kv, kv, kv]
+        return [total // 2, total // 2]
+
+    @torch.no_grad()
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """Random weights of the right shapes, for throughput work ("dummy weights")."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_((torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype))

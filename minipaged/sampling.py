@@ -1,0 +1,245 @@
+"""Sampling: `SamplingParams` (vLLM's fields and defaults) and the batched `Sampler`.
+
+Lesson 04 plots every stage on real stories260K logits. One step's logits go through, in order:
+
+    raw logits ──▶ logprobs (if asked; vLLM returns the *raw* model log-probabilities)
+               ──▶ penalties (repetition, frequency, presence) ──▶ min_tokens (ban EOS/stop ids)
+               ──▶ / temperature ──▶ top-k ──▶ top-p ──▶ min-p ──▶ softmax ──▶ sample
+
+All rows are processed together even when each request asks for different parameters. Sampling
+uses the "exponential race": argmax(p / E) with E ~ Exp(1) draws from p. A request with a `seed`
+draws its E from its own generator, so its tokens do not depend on what else is in the batch.
+Greedy rows (temperature 0) take argmax of the processed logits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence as Seq
+
+import torch
+
+from minipaged.sequence import Sequence
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: all tokens
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: Optional[str | list[str]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    max_tokens: Optional[int] = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    logprobs: Optional[int] = None  # number of top log-probabilities to return per token
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(msg: str) -> None:
+            raise ValueError(msg)
+        if self.n != 1:
+            bad(f"n must be 1 in this version of minipaged, got {self.n}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0.0:
+            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.temperature < 0.0:
+            bad(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            bad(f"top_k must be 0 or -1 (disabled) or a positive integer, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            bad(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and self.logprobs < 0:
+            bad(f"logprobs must be >= 0, got {self.logprobs}")
+        if any(not s for s in self.stop):
+            bad("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = most likely token
+    decoded_token: Optional[str] = None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: {token_id: Logprob} holding the top-`logprobs` tokens and the sampled one (or None).
+    logprobs: list[Optional[dict[int, Logprob]]] = field(default_factory=list)
+    sampled_logprobs: list[Optional[float]] = field(default_factory=list)
+
+
+def apply_penalties(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+    """In place. Repetition (HF's rule, over prompt + output), then frequency and presence
+    (OpenAI's rule, over output tokens only)."""
+    vocab = logits.shape[1]
+    for row, seq in enumerate(seqs):
+        p = seq.sampling_params
+        if not p.has_penalties:
+            continue
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
+            vals = logits[row, seen]
+            logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                            vals * p.repetition_penalty)
+        if seq.output_token_ids and (p.frequency_penalty or p.presence_penalty):
+            out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(out, minlength=vocab).to(logits.dtype)
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                            min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) every token outside each row's top-k / top-p / min-p support.
+
+    logits: (rows, vocab), already divided by temperature. top_k: (rows,) int, 0 = off;
+    top_p, min_p: (rows,) float. top-p keeps the smallest set of most likely tokens whose
+    probability reaches top_p; min-p keeps tokens with p >= min_p * p_max.
+    """
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (rows, vocab)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, vocab)[:, None]
+    remove = ranks >= k  # top-k
+    probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
+    remove |= mass_before >= top_p[:, None]  # top-p (the first token is always kept)
+    remove |= probs < (min_p[:, None] * probs[:, :1])  # min-p, relative to the top token
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+class Sampler:
+    """Turns one step's last-token logits into next tokens for every sampled sequence."""
+
+    def __init__(self, seed: int = 0, eos_token_ids: Seq[int] = ()):
+        self.generator: Optional[torch.Generator] = None
+        self.seed = seed
+        self.eos_token_ids = list(eos_token_ids)
+
+    def _engine_generator(self, device: torch.device) -> torch.Generator:
+        if self.generator is None or self.generator.device != device:
+            self.generator = torch.Generator(device=device).manual_seed(self.seed)
+        return self.generator
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> SamplerOutput:
+        """logits: (num_seqs, vocab) fp32, one row per sequence in `seqs`."""
+        params = [s.sampling_params for s in seqs]
+        want_logprobs = [p.logprobs is not None for p in params]
+        raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
+
+        banned_rows = [i for i, s in enumerate(seqs)
+                       if s.num_output_tokens < s.sampling_params.min_tokens]
+        if banned_rows or any(p.has_penalties for p in params):
+            logits = apply_penalties(logits.clone(), seqs)
+            for i in banned_rows:
+                ban = list(seqs[i].sampling_params.stop_token_ids)
+                if not seqs[i].sampling_params.ignore_eos:
+                    ban += self.eos_token_ids
+                if ban:
+                    logits[i, ban] = float("-inf")
+
+        if all(p.greedy for p in params):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, seqs)
+        token_list = tokens.tolist()
+        out = SamplerOutput(token_ids=token_list)
+        if raw_logprobs is not None:
+            self._gather_logprobs(raw_logprobs, tokens, params, out)
+        return out
+
+    def _sample(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+        device = logits.device
+        params = [s.sampling_params for s in seqs]
+        greedy = torch.tensor([p.greedy for p in params], device=device)
+        greedy_tokens = logits.argmax(dim=-1)
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+        scaled = logits / temps[:, None]
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+            scaled = apply_top_k_top_p_min_p(
+                scaled,
+                torch.tensor([p.top_k for p in params], device=device),
+                torch.tensor([p.top_p for p in params], device=device),
+                torch.tensor([p.min_p for p in params], device=device))
+        probs = scaled.softmax(dim=-1)
+        # Exponential race: argmax(p / E), E ~ Exp(1), is a draw from p.
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, p in enumerate(params) if p.seed is None and not p.greedy]
+        if unseeded:
+            idx = torch.tensor(unseeded, device=device)
+            noise[idx] = torch.empty((len(unseeded), probs.shape[1]), device=device).exponential_(
+                generator=self._engine_generator(device))
+        for i, (seq, p) in enumerate(zip(seqs, params)):
+            if p.seed is not None and not p.greedy:
+                if seq.generator is None:
+                    seq.generator = torch.Generator(device=device).manual_seed(p.seed)
+                noise[i].exponential_(generator=seq.generator)
+            elif p.greedy:
+                noise[i] = 1.0
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, greedy_tokens, sampled)
+
+    @staticmethod
+    def _gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params, out: SamplerOutput):
+        k_max = max(p.logprobs or 0 for p in params if p.logprobs is not None)
+        sampled_lp = raw.gather(1, tokens[:, None]).squeeze(1)  # (rows,)
+        # rank = 1 + number of tokens strictly more likely than the sampled one
+        ranks = (raw > sampled_lp[:, None]).sum(dim=-1) + 1
+        top_vals, top_ids = raw.topk(k_max, dim=-1) if k_max > 0 else (None, None)
+        sampled_lp, ranks = sampled_lp.tolist(), ranks.tolist()
+        tokens_list = tokens.tolist()
+        for row, p in enumerate(params):
+            if p.logprobs is None:
+                out.logprobs.append(None)
+                out.sampled_logprobs.append(None)
+                continue
+            d: dict[int, Logprob] = {}
+            if p.logprobs > 0:
+                for r, (tid, lp) in enumerate(zip(top_ids[row, :p.logprobs].tolist(),
+                                                  top_vals[row, :p.logprobs].tolist())):
+                    d[tid] = Logprob(lp, r + 1)
+            d.setdefault(tokens_list[row], Logprob(sampled_lp[row], ranks[row]))
+            out.logprobs.append(d)
+            out.sampled_logprobs.append(sampled_lp[row])
