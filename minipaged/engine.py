@@ -36,6 +36,21 @@ class RequestError(ValueError):
     """A request that cannot be served; it fails alone and the engine keeps running."""
 
 
+def detokenize(tokenizer, prompt_ids: list[int], output_ids: list[int], skip_special: bool) -> str:
+    """Text of `output_ids` as it reads *after* the prompt.
+
+    Decoding the output alone would lose the leading space that sentencepiece folds into the
+    first token ("Lily" + "▁went" would decode to "went"), so decode a few prompt tokens with it
+    and cut their text off again.
+    """
+    context = prompt_ids[-4:]
+    head = tokenizer.decode(context, skip_special_tokens=skip_special)
+    full = tokenizer.decode(context + output_ids, skip_special_tokens=skip_special)
+    if full.startswith(head):
+        return full[len(head):]
+    return tokenizer.decode(output_ids, skip_special_tokens=skip_special)
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -232,8 +247,8 @@ class LLMEngine:
 
     def _detokenize(self, seq: Sequence) -> None:
         if self.tokenizer is not None:
-            seq.output_text = self.tokenizer.decode(
-                seq.output_token_ids, skip_special_tokens=seq.sampling_params.skip_special_tokens)
+            seq.output_text = detokenize(self.tokenizer, seq.prompt_token_ids, seq.output_token_ids,
+                                         seq.sampling_params.skip_special_tokens)
 
     def make_output(self, seq: Sequence) -> RequestOutput:
         if seq.is_finished and not isinstance(seq.stop_reason, str):  # stop strings trim text

@@ -1,0 +1,407 @@
+"""Triton kernels for paged attention: store K/V into cache slots, then attend through block tables.
+
+Lesson 05 (notebooks/05_paged_attention_kernel.ipynb) walks through this file top-down; the
+readable definition it starts from is `minipaged/attention/torch_ref.py`, and
+`tests/test_triton_kernels.py` proves the two agree. `triton_backend.py` calls these functions
+once per layer.
+
+Three kernels:
+
+1. `store_kv_kernel`: one program per new token copies its K and V rows into cache slot
+   `slot_mapping[t]` (block `slot // block_size`, offset `slot % block_size`); slot -1 is padding.
+2. `paged_attention_kernel`: ONE kernel for decode and prefill. A program owns a tile of query
+   rows of one sequence and one KV head, walks that sequence's block table tile by tile and keeps
+   an online softmax (the flash-attention recurrence) in registers:
+
+       rows of a tile = (query token, query head of this KV head)  pairs     (GQA packing)
+       decode:  1 query token  x  the heads that share a KV head   (K/V read once for all of them)
+       prefill: BLOCK_Q tokens x  those heads; causal, with the query offset of a cached prefix
+
+   With `num_splits > 1` (flash-decoding / split-KV) the key range is cut into `num_splits` parts
+   handled by different programs, so that a batch of one long sequence still fills the GPU;
+   each part writes an unnormalised partial result plus its log-sum-exp.
+3. `reduce_splits_kernel`: merges those partial results, weighting each by its share of the
+   softmax mass.
+
+Shapes (the vLLM Triton-backend layout, see DESIGN.md):
+
+    q            (num_tokens, num_heads, head_dim)          any dtype, last dim contiguous
+    k, v         (num_tokens, num_kv_heads, head_dim)       this step's new keys/values
+    k/v_cache    (num_blocks, block_size, num_kv_heads, head_dim)
+    block_tables (num_seqs, max_blocks_per_seq) int32, context_lens (num_seqs,) int32,
+    cu_seqlens_q (num_seqs + 1,) int32, slot_mapping (num_tokens,) int64
+
+Rules every kernel here follows (they bite otherwise):
+* `tl.arange` sizes are powers of two: head_dim is padded to `HEAD_DIM_PAD` (>= 16) and masked.
+* block ids are cast to int64 before they are multiplied by strides (a cache over 2 GiB overflows
+  int32 offsets).
+* on the GPU, `tl.dot` needs every dimension >= 16: tiles have >= 16 rows and keys, and head_dim
+  is padded to >= 16 (stories260K has head_dim 8).
+* scores, softmax and accumulators are fp32. Under the CPU interpreter (TRITON_INTERPRET=1, which
+  must be set before this module is imported) the dot operands are upcast to fp32 too, because the
+  interpreter mishandles bf16 arithmetic; on the GPU bf16/fp16 operands go to the tensor cores
+  with fp32 accumulation, and fp32 caches use exact ("ieee") fp32 dots.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+# --------------------------------------------------------------------------------------------
+# 1. store_kv: the new tokens' K and V go to their slots
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def store_kv_kernel(
+    k_ptr, v_ptr,  # (num_tokens, num_kv_heads, head_dim)
+    k_cache_ptr, v_cache_ptr,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    slot_mapping_ptr,  # (num_tokens,) int64, -1 = padding token: nothing to store
+    stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+    stride_c_block, stride_c_slot, stride_c_head,  # the K and V caches share one layout
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    KV_HEADS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    block = slot // BLOCK_SIZE  # physical block ...
+    offset = slot % BLOCK_SIZE  # ... and the row inside it
+    heads = tl.arange(0, KV_HEADS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    # One (KV_HEADS_PAD, HEAD_DIM_PAD) tile per token; padding tokens and padded lanes are masked.
+    mask = (slot >= 0) & (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
+    src_k = k_ptr + token * stride_k_tok + heads[:, None] * stride_k_head + dims[None, :]
+    src_v = v_ptr + token * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :]
+    dst = block * stride_c_block + offset * stride_c_slot + heads[:, None] * stride_c_head + dims[None, :]
+    tl.store(k_cache_ptr + dst, tl.load(src_k, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + dst, tl.load(src_v, mask=mask), mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write `k`, `v` (num_tokens, num_kv_heads, head_dim) into the caches at `slot_mapping`."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    if k.dtype != k_cache.dtype:  # the model may run in another dtype than the cache
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    _check_last_dim_contiguous(k_cache=k_cache, v_cache=v_cache)
+    assert k_cache.stride() == v_cache.stride(), "K and V caches must share one layout"
+    store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1],
+        num_warps=1 if num_kv_heads * head_dim <= 256 else 4,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# 2. paged attention: one program = (tile of query rows of one sequence, one KV head, one split)
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _attend_key_tile(
+    acc, l_i, m_i,  # running state of the online softmax: (BLOCK_M, HEAD_DIM_PAD), (BLOCK_M,) x2
+    q,  # (BLOCK_M, HEAD_DIM_PAD) the tile's queries
+    q_pos,  # (BLOCK_M,) absolute position of each query row
+    kv_start, kv_end,  # this key tile starts at position kv_start; keys >= kv_end don't exist
+    block_table_row,  # pointer to this sequence's row of the block table
+    k_cache_ptr, v_cache_ptr, kv_head,
+    stride_c_block, stride_c_slot, stride_c_head,
+    offs_d, qk_scale,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every row sees every key of this tile, no masks at all
+    FP32_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # -- the block-table walk: logical key position -> (physical block, offset) ---------------
+    offs_n = kv_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key positions of this tile
+    if MASKED:
+        n_mask = offs_n < kv_end
+        block_ids = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
+    else:
+        block_ids = tl.load(block_table_row + offs_n // BLOCK_SIZE)
+    block_ids = block_ids.to(tl.int64)  # int64 before multiplying by a stride
+    kv_offs = (block_ids * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_slot
+               + kv_head * stride_c_head)  # (BLOCK_N,) where each key row starts
+    kv_ptrs = kv_offs[:, None] + offs_d[None, :]  # (BLOCK_N, HEAD_DIM_PAD)
+    # -- load the K and V tiles (masked lanes read 0: never garbage that could be NaN) --------
+    if MASKED:
+        if HEAD_DIM_PAD == HEAD_DIM:
+            kv_mask = n_mask[:, None]
+        else:
+            kv_mask = n_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+    elif HEAD_DIM_PAD != HEAD_DIM:
+        d_mask = offs_d[None, :] < HEAD_DIM
+        k = tl.load(k_cache_ptr + kv_ptrs, mask=d_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_ptrs, mask=d_mask, other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + kv_ptrs)
+        v = tl.load(v_cache_ptr + kv_ptrs)
+    if FP32_DOT:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    # -- scores, in log2 units: s = q k^T * scale * log2(e) -----------------------------------
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+    if MASKED:  # causal (key <= query position) and past-the-end keys
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    # -- online softmax: rescale what we have by exp2(m_old - m_new), add this tile -----------
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # (BLOCK_M,)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw no key yet: no NaN
+    p = tl.exp2(s - m_safe[:, None])  # (BLOCK_M, BLOCK_N) unnormalised probabilities
+    alpha = tl.exp2(m_i - m_safe)  # (BLOCK_M,) how much the old maximum overestimated
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def paged_attention_kernel(
+    out_ptr,  # (num_tokens, num_heads, head_dim): written when NUM_SPLITS == 1
+    partial_out_ptr,  # (num_tokens, num_heads, NUM_SPLITS, head_dim) fp32: when NUM_SPLITS > 1
+    partial_lse_ptr,  # (num_tokens, num_heads, NUM_SPLITS) fp32 log2-sum-exp2 of each part
+    q_ptr, k_cache_ptr, v_cache_ptr,
+    block_tables_ptr, context_lens_ptr, cu_seqlens_q_ptr,
+    qk_scale,  # softmax scale * log2(e): we use exp2, which is what the hardware has
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+    stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq,
+    num_q_tiles,  # query tiles per sequence in the grid (cdiv(max_query_len, BLOCK_Q))
+    QUERIES_PER_KV: tl.constexpr,  # GQA group: query heads that share one KV head
+    GROUP_PAD: tl.constexpr,  # that group padded to a power of two
+    BLOCK_Q: tl.constexpr,  # query tokens per tile; BLOCK_M = BLOCK_Q * GROUP_PAD rows
+    BLOCK_N: tl.constexpr,  # keys per tile (any power of two; pages are gathered row by row)
+    BLOCK_SIZE: tl.constexpr,  # tokens per KV-cache block
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,  # parts the key range is cut into (1 = no split-KV)
+    FP32_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    # -- which work is mine -------------------------------------------------------------------
+    pid = tl.program_id(0)
+    seq = pid // num_q_tiles
+    q_tile = num_q_tiles - 1 - pid % num_q_tiles  # late tiles (most keys) start first
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    q_start = tl.load(cu_seqlens_q_ptr + seq)  # first token of this sequence in the flat batch
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return  # the grid is sized for the longest query; shorter sequences have spare tiles
+    ctx_len = tl.load(context_lens_ptr + seq)  # keys in the cache, this step's included
+
+    # -- the tile's rows: (query token, head in group) pairs ------------------------------------
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = q_tile * BLOCK_Q + offs_m // GROUP_PAD  # (BLOCK_M,) query token within the sequence
+    head = kv_head * QUERIES_PER_KV + offs_m % GROUP_PAD  # (BLOCK_M,) query head
+    row_valid = (tok < q_len) & (offs_m % GROUP_PAD < QUERIES_PER_KV)
+    q_pos = ctx_len - q_len + tok  # (BLOCK_M,) absolute position: the causal offset
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    q_mask = row_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_q_tok + head[:, None] * stride_q_head
+                + offs_d[None, :], mask=q_mask, other=0.0)  # (BLOCK_M, HEAD_DIM_PAD)
+    if FP32_DOT:
+        q = q.to(tl.float32)
+
+    # -- which keys: [0, kv_end), cut into tiles of BLOCK_N, then into NUM_SPLITS parts --------
+    first_pos = ctx_len - q_len + q_tile * BLOCK_Q  # position of the tile's first query
+    kv_end = tl.minimum(first_pos + BLOCK_Q, ctx_len)  # one past the tile's last query position
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    # Keys 0..first_pos are visible to every row: those whole tiles need no mask at all.
+    unmasked_tiles = (first_pos + 1) // BLOCK_N
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max of the scores
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(score - max)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)  # running sum of p * V
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+
+    # Phase 1: tiles below the diagonal, no masks.  Phase 2: the diagonal / last partial tile.
+    for tile in range(tile_lo, tl.minimum(tile_hi, unmasked_tiles)):
+        acc, l_i, m_i = _attend_key_tile(
+            acc, l_i, m_i, q, q_pos, tile * BLOCK_N, kv_end, block_table_row,
+            k_cache_ptr, v_cache_ptr, kv_head, stride_c_block, stride_c_slot, stride_c_head,
+            offs_d, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD,
+            False, FP32_DOT, DOT_PRECISION)
+    for tile in range(tl.maximum(tile_lo, unmasked_tiles), tile_hi):
+        acc, l_i, m_i = _attend_key_tile(
+            acc, l_i, m_i, q, q_pos, tile * BLOCK_N, kv_end, block_table_row,
+            k_cache_ptr, v_cache_ptr, kv_head, stride_c_block, stride_c_slot, stride_c_head,
+            offs_d, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD,
+            True, FP32_DOT, DOT_PRECISION)
+
+    # -- write: normalise, or leave a partial result for reduce_splits_kernel -----------------
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty split has l = 0
+    out = acc / l_safe[:, None]
+    token = (q_start + tok).to(tl.int64)
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        num_heads = tl.num_programs(1) * QUERIES_PER_KV
+        row = (token * num_heads + head) * NUM_SPLITS + split  # (BLOCK_M,) index into partials
+        tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=q_mask)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(partial_lse_ptr + row, lse, mask=row_valid)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. merge the split-KV parts: out = sum_s w_s * out_s / sum_s w_s, w_s = exp2(lse_s - max lse)
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def reduce_splits_kernel(
+    out_ptr,  # (num_tokens, num_heads, head_dim)
+    partial_out_ptr,  # (num_tokens, num_heads, NUM_SPLITS, head_dim) fp32
+    partial_lse_ptr,  # (num_tokens, num_heads, NUM_SPLITS) fp32
+    stride_o_tok, stride_o_head,
+    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    row = token * tl.num_programs(1) + head
+    splits = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    lse = tl.load(partial_lse_ptr + row * NUM_SPLITS + splits)  # (NUM_SPLITS,)
+    weight = tl.exp2(lse - tl.max(lse, axis=0))  # an empty part has lse = -inf: weight 0
+    part = tl.load(partial_out_ptr + (row * NUM_SPLITS + splits)[:, None] * HEAD_DIM
+                   + offs_d[None, :], mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    out = tl.sum(weight[:, None] * part, axis=0) / tl.sum(weight, axis=0)  # (HEAD_DIM_PAD,)
+    tl.store(out_ptr + token * stride_o_tok + head * stride_o_head + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configuration and the Python entry point
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch knobs of `paged_attention_kernel` (tuned on an H200, see
+    benchmarks/attention.py)."""
+
+    block_m: int  # query rows per tile (>= 16 on the GPU), = block_q * group_pad
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
+
+
+def decode_config(head_dim: int, group: int, interpret: bool) -> KernelConfig:
+    """Decode: one query token per sequence, so one tile holds just the heads of one KV head."""
+    rows = max(16, triton.next_power_of_2(group))
+    if interpret:  # big tiles = few Python-level loop iterations in the interpreter
+        return KernelConfig(block_m=rows, block_n=64, num_warps=1, num_stages=1)
+    return KernelConfig(block_m=rows, block_n=64 if head_dim <= 128 else 32, num_warps=4,
+                        num_stages=3)
+
+
+def prefill_config(head_dim: int, group: int, max_query_len: int, interpret: bool) -> KernelConfig:
+    """Prefill / mixed steps: tiles of several query tokens times the group's heads."""
+    group_pad = triton.next_power_of_2(group)
+    rows = max(16, group_pad, min(128 if head_dim <= 128 else 64,
+                                  triton.next_power_of_2(max_query_len) * group_pad))
+    if interpret:
+        return KernelConfig(block_m=rows, block_n=64, num_warps=1, num_stages=1)
+    return KernelConfig(block_m=rows, block_n=64 if head_dim <= 128 else 32,
+                        num_warps=8 if rows >= 128 else 4, num_stages=3 if head_dim <= 128 else 2)
+
+
+def choose_num_splits(num_programs: int, max_context_len: int, block_n: int, num_sms: int,
+                      programs_per_sm: int = 4, min_tiles_per_split: int = 2,
+                      max_splits: int = 64) -> int:
+    """Split-KV factor: enough programs to fill the GPU, but every split keeps some keys.
+
+    `num_programs` is what the grid has without splitting (sequences x query tiles x KV heads).
+    A power of two, so that the reduction kernel's `tl.arange` needs no padding.
+    """
+    target = num_sms * programs_per_sm
+    if num_programs >= target:
+        return 1
+    tiles = triton.cdiv(max_context_len, block_n)
+    splits = min(triton.cdiv(target, num_programs), tiles // min_tiles_per_split, max_splits)
+    return 1 if splits < 2 else 1 << (splits.bit_length() - 1)  # round down to a power of two
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, context_lens: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, scale: float, *, num_seqs: int,
+                    max_query_len: int, config: KernelConfig, num_splits: int = 1,
+                    out: Optional[torch.Tensor] = None,
+                    workspace: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """Attention of `q` over the paged cache (which already holds this step's K/V).
+
+    Host-side ints only (`num_seqs`, `max_query_len`, `num_splits`): no device->host sync, so a
+    decode step can be captured in a CUDA graph. Returns (num_tokens, num_heads, head_dim).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads for {num_kv_heads} KV heads"
+    assert config.block_m % group_pad == 0 and num_splits & (num_splits - 1) == 0
+    q = _last_dim_contiguous(q)
+    _check_last_dim_contiguous(k_cache=k_cache, v_cache=v_cache)
+    assert k_cache.stride() == v_cache.stride(), "K and V caches must share one layout"
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    block_q = config.block_m // group_pad
+    num_q_tiles = triton.cdiv(max_query_len, block_q)
+    if num_splits > 1:
+        if workspace is None:
+            workspace = split_workspace(num_tokens, num_heads, head_dim, num_splits, q.device)
+        partial_out, partial_lse = workspace
+    else:
+        partial_out = partial_lse = out  # unused
+    interpret = q.device.type == "cpu"
+    fp32_dot = interpret or k_cache.dtype == torch.float32 or q.dtype != k_cache.dtype
+    grid = (num_seqs * num_q_tiles, num_kv_heads, num_splits)
+    paged_attention_kernel[grid](
+        out, partial_out, partial_lse, q, k_cache, v_cache,
+        block_tables, context_lens, cu_seqlens_q,
+        scale * math.log2(math.e),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        num_q_tiles,
+        QUERIES_PER_KV=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=config.block_n,
+        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), NUM_SPLITS=num_splits,
+        FP32_DOT=fp32_dot, DOT_PRECISION="ieee" if fp32_dot else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if num_splits > 1:
+        reduce_splits_kernel[(num_tokens, num_heads)](
+            out, partial_out, partial_lse, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=triton.next_power_of_2(head_dim), num_warps=1 if interpret else 2,
+        )
+    return out
+
+
+def split_workspace(num_tokens: int, num_heads: int, head_dim: int, num_splits: int,
+                    device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 buffers for the split-KV partial results and their log-sum-exps."""
+    return (torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32,
+                        device=device),
+            torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=device))
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension (head_dim); got "
+                             f"strides {tuple(t.stride())}. Call .contiguous() first.")

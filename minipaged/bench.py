@@ -1,0 +1,291 @@
+"""Throughput benchmarks: minipaged side by side with the naive Hugging Face baselines.
+
+    minipaged bench                                  # CPU workload on stories260K (below)
+    minipaged bench --workload nanovllm --model dummy:qwen3-0.6b --backends minipaged,hf-static
+
+Workloads (all seeded, all ignore EOS so every request produces exactly its max_tokens):
+
+* `cpu`      64 requests, prompt lengths U[4, 64], output lengths U[16, 256] (stories260K).
+* `nanovllm` nano-vllm's bench: `random.seed(0)`; 256 prompts of `randint(100, 1024)` token ids
+             drawn from `randint(0, 10000)`, then `max_tokens = randint(100, 1024)` each.
+* `sharegpt` / `alpaca`  lengths with the vLLM paper's means (ShareGPT 161.31 in / 337.99 out,
+             Alpaca 19.31 / 58.45), drawn from exponential distributions.
+* `fixed`    every request `--input-len` in, `--output-len` out.
+
+Each backend yields a `BenchResult` (the course notes' fields: backend, num_requests,
+concurrency, elapsed_sec, qps, output_tokens, tokens_per_sec) plus ratios to the best HF mode.
+HF modes may run on a subsample (`--hf-max-requests`); the table says so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+
+WORKLOADS = ("cpu", "nanovllm", "sharegpt", "alpaca", "fixed")
+BACKENDS = ("minipaged", "hf-sequential", "hf-static", "hf-cb")
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    def subset(self, n: int) -> "Workload":
+        return Workload(self.name, self.prompts[:n], self.max_tokens[:n])
+
+
+def make_workload(name: str, vocab_size: int, num_requests: Optional[int] = None, seed: int = 0,
+                  input_len: int = 128, output_len: int = 128, bos: Optional[int] = None,
+                  max_model_len: Optional[int] = None) -> Workload:
+    rng = random.Random(seed)
+    if name == "nanovllm":  # drawn exactly as nano-vllm's bench.py draws it
+        n = num_requests or 256
+        random.seed(seed)
+        prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(n)]
+        max_tokens = [random.randint(100, 1024) for _ in range(n)]
+        return Workload(name, prompts, max_tokens)
+    n = num_requests or 64
+    if name == "cpu":
+        lens = [(rng.randint(4, 64), rng.randint(16, 256)) for _ in range(n)]
+    elif name in ("sharegpt", "alpaca"):
+        mean_in, mean_out = (161.31, 337.99) if name == "sharegpt" else (19.31, 58.45)
+        lens = [(max(1, round(rng.expovariate(1 / mean_in))), max(1, round(rng.expovariate(1 / mean_out))))
+                for _ in range(n)]
+    elif name == "fixed":
+        lens = [(input_len, output_len)] * n
+    else:
+        raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
+    if max_model_len is not None:  # keep prompt + output inside the context
+        lens = [(min(i, max_model_len - 1), min(o, max_model_len - min(i, max_model_len - 1)))
+                for i, o in lens]
+    low = 3 if vocab_size > 3 else 0  # skip <unk>, <s>, </s> in small sentencepiece vocabularies
+    prompts = []
+    for i, _ in lens:
+        ids = [rng.randrange(low, vocab_size) for _ in range(i)]
+        if bos is not None:
+            ids[0] = bos
+        prompts.append(ids)
+    return Workload(name, prompts, [o for _, o in lens])
+
+
+@dataclass
+class BenchResult:
+    backend: str
+    num_requests: int
+    concurrency: int
+    elapsed_sec: float
+    qps: float
+    output_tokens: int
+    tokens_per_sec: float
+    subsampled: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def _result(backend, num_requests, concurrency, elapsed, output_tokens, subsampled=False, **extra):
+    return BenchResult(backend=backend, num_requests=num_requests, concurrency=concurrency,
+                       elapsed_sec=round(elapsed, 4), qps=round(num_requests / elapsed, 3),
+                       output_tokens=output_tokens,
+                       tokens_per_sec=round(output_tokens / elapsed, 1), subsampled=subsampled,
+                       extra=extra)
+
+
+def _percentiles(xs: list[float]) -> dict:
+    if not xs:
+        return {}
+    s = sorted(xs)
+    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
+    return {"p50": round(pick(0.5) * 1e3, 2), "p90": round(pick(0.9) * 1e3, 2),
+            "p99": round(pick(0.99) * 1e3, 2)}
+
+
+def run_minipaged(llm, wl: Workload, temperature: float = 0.0) -> BenchResult:
+    from minipaged import SamplingParams
+    params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True, seed=None)
+              for m in wl.max_tokens]
+    llm.generate(wl.prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    if llm.engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(wl.prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    ttft = [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in outs]
+    itl = [(o.metrics["finished_time"] - o.metrics["first_token_time"]) / (len(o.outputs[0].token_ids) - 1)
+           for o in outs if len(o.outputs[0].token_ids) > 1]
+    cfg = llm.engine.config
+    return _result("minipaged", len(outs), cfg.max_num_seqs, elapsed, tokens,
+                   ttft_ms=_percentiles(ttft), itl_ms=_percentiles(itl),
+                   preemptions=sum(o.metrics["num_preemptions"] for o in outs),
+                   **bandwidth(llm, wl, elapsed))
+
+
+def bandwidth(llm, wl: Workload, elapsed: float) -> dict:
+    """Bytes the decode steps must read (weights once per step + every sequence's KV), per second."""
+    eng = llm.engine
+    mc = eng.model_config
+    elem = torch.tensor([], dtype=eng.dtype).element_size()
+    weight_bytes = mc.num_parameters() * elem
+    steps = [r for r in eng.trace[-10**7:] if r.num_batched_tokens]
+    kv_per_token = mc.kv_bytes_per_token(eng.dtype)
+    kv_read = 0
+    for p, m in zip(wl.prompts, wl.max_tokens):  # decode step t reads len(p) + t tokens of KV
+        kv_read += kv_per_token * (m * len(p) + m * (m - 1) // 2)
+    n_steps = len(steps)
+    total = weight_bytes * n_steps + kv_read
+    out = {"approx_bytes_read_gb": round(total / 1e9, 2),
+           "achieved_gb_per_s": round(total / elapsed / 1e9, 2)}
+    if eng.device.type == "cuda":
+        out["device"] = torch.cuda.get_device_name(eng.device)
+    return out
+
+
+def run_hf(backend: str, model, wl: Workload, batch_size: int, subsampled: bool) -> BenchResult:
+    from minipaged import baseline
+    fn = {"hf-sequential": lambda: baseline.hf_sequential(model, wl.prompts, wl.max_tokens),
+          "hf-static": lambda: baseline.hf_static(model, wl.prompts, wl.max_tokens, batch_size),
+          "hf-cb": lambda: baseline.hf_continuous(model, wl.prompts, wl.max_tokens)}[backend]
+    r = fn()
+    concurrency = {"hf-sequential": 1, "hf-static": batch_size, "hf-cb": len(wl.prompts)}[backend]
+    return _result(backend, len(wl.prompts), concurrency, r.elapsed, r.output_tokens,
+                   subsampled=subsampled, padded_tokens=r.padded_tokens)
+
+
+def format_table(results: list[BenchResult]) -> str:
+    hf = [r for r in results if r.backend.startswith("hf")]
+    best = max(hf, key=lambda r: r.tokens_per_sec) if hf else None
+    rows = ["| backend | requests | concurrency | elapsed s | qps | output tokens | tok/s | vs best HF |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        ratio = f"{r.tokens_per_sec / best.tokens_per_sec:.2f}x" if best else "-"
+        name = r.backend + (" (subsample)" if r.subsampled else "")
+        rows.append(f"| {name} | {r.num_requests} | {r.concurrency} | {r.elapsed_sec:.2f} | "
+                    f"{r.qps:.2f} | {r.output_tokens} | {r.tokens_per_sec:,.0f} | {ratio} |")
+    return "\n".join(rows)
+
+
+def environment() -> dict:
+    import transformers
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"),
+           "machine": platform.machine(), "cpu_threads": torch.get_num_threads()}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    ap = argparse.ArgumentParser(prog="minipaged bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="stories260K")
+    ap.add_argument("--workload", default="cpu", choices=WORKLOADS)
+    ap.add_argument("--num-requests", type=int, default=None)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--hf-max-requests", type=int, default=None,
+                    help="run the HF baselines on the first N requests only (labelled subsample)")
+    ap.add_argument("--hf-sequential-max-requests", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--num-blocks", type=int, default=None)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+
+    from minipaged import LLM
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = set(backends) - set(BACKENDS)
+    if unknown:
+        ap.error(f"unknown backends {sorted(unknown)}; choose from {BACKENDS}")
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+              num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+              device=args.device, seed=args.seed)
+    mc = llm.engine.model_config
+    wl = make_workload(args.workload, mc.vocab_size, args.num_requests, args.seed, args.input_len,
+                       args.output_len, bos=mc.bos_token_id if args.workload != "nanovllm" else None,
+                       max_model_len=llm.engine.config.max_model_len)
+    print(f"workload {wl.name}: {len(wl.prompts)} requests, {wl.num_prompt_tokens} prompt tokens, "
+          f"{sum(wl.max_tokens)} output tokens; model {args.model}"
+          + (" (dummy weights)" if llm.engine.source.dummy else ""), flush=True)
+    results: list[BenchResult] = []
+    if "minipaged" in backends:
+        results.append(run_minipaged(llm, wl, args.temperature))
+        print(f"minipaged: {results[-1].tokens_per_sec:,.0f} tok/s", flush=True)
+    hf_backends = [b for b in backends if b.startswith("hf")]
+    if hf_backends:
+        from minipaged.baseline import load_hf_model
+        if llm.engine.source.path is None:
+            hf_model = _hf_from_dummy(llm)
+        else:
+            hf_model = load_hf_model(str(llm.engine.source.path), llm.engine.dtype,
+                                     str(llm.engine.device))
+        del llm
+        for b in hf_backends:
+            limit = args.hf_sequential_max_requests if b == "hf-sequential" else None
+            limit = limit or args.hf_max_requests
+            sub = wl.subset(limit) if limit and limit < len(wl.prompts) else wl
+            results.append(run_hf(b, hf_model, sub, args.hf_batch_size, sub is not wl))
+            print(f"{b}: {results[-1].tokens_per_sec:,.0f} tok/s", flush=True)
+    table = format_table(results)
+    print(table)
+    report = {"environment": environment(), "model": args.model,
+              "workload": {"name": wl.name, "num_requests": len(wl.prompts), "seed": args.seed,
+                           "prompt_tokens": wl.num_prompt_tokens, "output_tokens": sum(wl.max_tokens),
+                           "temperature": args.temperature, "ignore_eos": True},
+              "results": [asdict(r) for r in results], "table": table}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+def _hf_from_dummy(llm):
+    """An HF model with the same dummy weights, for baselines on presets."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    src = llm.engine.source
+    cfg = AutoConfig.for_model(**src.config)
+    with torch.device(llm.engine.device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=llm.engine.dtype)
+    sd = {}
+    for name, p in llm.engine.model.named_parameters():  # unstack our fused weights
+        if ".qkv_proj." in name:
+            q, k, v = p.split(llm.engine.model._shard_sizes("qkv_proj", p.shape[0]))
+            for part, t in zip(("q_proj", "k_proj", "v_proj"), (q, k, v)):
+                sd[name.replace("qkv_proj", part)] = t
+        elif ".gate_up_proj." in name:
+            g, u = p.chunk(2)
+            sd[name.replace("gate_up_proj", "gate_proj")] = g
+            sd[name.replace("gate_up_proj", "up_proj")] = u
+        else:
+            sd[name] = p
+    model.load_state_dict(sd, strict=False)
+    return model.eval()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""The Triton paged-attention kernels against the `torch_ref` oracle.
+
+On a machine without a GPU they run under the Triton interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1 before minipaged is imported), so sizes are small; on CUDA the same tests run
+the compiled kernels. Every case uses shuffled physical blocks, and every cache slot that holds no
+real key is filled with NaN: a kernel that reads past a sequence's end, or a masked lane it should
+not touch, turns the output into NaN and fails.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from minipaged.attention import get_attention_backend  # noqa: E402
+from minipaged.attention import triton_kernels as tk  # noqa: E402
+from minipaged.attention.metadata import AttentionMetadata  # noqa: E402
+from minipaged.attention.torch_ref import TorchRefBackend, paged_attention_reference  # noqa: E402
+from minipaged.attention.triton_backend import TritonBackend  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings(  # the interpreter's loop bounds, harmless on numpy < 2.4
+    "ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no GPU and TRITON_INTERPRET is not set", allow_module_level=True)
+
+# |out - ref| <= atol + rtol * |ref|; the reference computes in fp32 and rounds once.
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+class Case:
+    """One step: sequences given as (query_len, context_len), a paged cache with shuffled blocks.
+
+    Block 0 is never handed out (the block tables' padding points at it) and, like every slot past
+    a sequence's end and every slot this step is about to write, holds NaN.
+    """
+
+    def __init__(self, seqs, block_size, num_heads, num_kv_heads, head_dim, dtype,
+                 pad_tokens=0, seed=0, fill=float("nan")):
+        g = torch.Generator().manual_seed(seed)
+        self.block_size, self.dtype = block_size, dtype
+        qlens = [q for q, _ in seqs]
+        ctxs = [c for _, c in seqs]
+        blocks_per_seq = [-(-c // block_size) for c in ctxs]
+        num_blocks = 1 + sum(blocks_per_seq) + 2  # null block 0, two spare blocks
+        physical = (1 + torch.randperm(num_blocks - 1, generator=g)).tolist()  # shuffled
+        max_blocks = max(blocks_per_seq) + 1  # one column of padding too
+        tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = torch.full(shape, fill, dtype=dtype)
+        self.v_cache = torch.full(shape, fill, dtype=dtype)
+        slots, start = [], 0
+        for i, (q_len, ctx) in enumerate(seqs):
+            own = physical[start:start + blocks_per_seq[i]]
+            start += blocks_per_seq[i]
+            tables[i, :len(own)] = torch.tensor(own, dtype=torch.int32)
+            pos = torch.arange(ctx)
+            seq_slots = torch.tensor(own)[pos // block_size] * block_size + pos % block_size
+            cached = seq_slots[:ctx - q_len]  # keys from earlier steps (prefix) are in the cache
+            n = len(cached)
+            self.k_cache.view(-1, num_kv_heads, head_dim)[cached] = _randn(g, n, num_kv_heads, head_dim, dtype)
+            self.v_cache.view(-1, num_kv_heads, head_dim)[cached] = _randn(g, n, num_kv_heads, head_dim, dtype)
+            slots.append(seq_slots[ctx - q_len:])  # this step's tokens
+        slot_mapping = torch.cat(slots + [torch.full((pad_tokens,), -1)]).long()
+        num_tokens = len(slot_mapping)
+        self.q = _randn(g, num_tokens, num_heads, head_dim, dtype)
+        self.k = _randn(g, num_tokens, num_kv_heads, head_dim, dtype)
+        self.v = _randn(g, num_tokens, num_kv_heads, head_dim, dtype)
+        self.num_real = sum(qlens)
+        self.scale = 1.0 / math.sqrt(head_dim)
+        cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(qlens).cumsum(0)
+        self.metadata = AttentionMetadata(
+            slot_mapping=slot_mapping, block_tables=tables,
+            context_lens=torch.tensor(ctxs, dtype=torch.int32), cu_seqlens_q=cu,
+            query_lens=qlens, context_lens_host=ctxs, max_query_len=max(qlens),
+            max_context_len=max(ctxs), block_size=block_size,
+            num_decode_tokens=sum(1 for q in qlens if q == 1))
+        self.to(DEVICE)
+
+    def to(self, device):
+        for name in ("k_cache", "v_cache", "q", "k", "v"):
+            setattr(self, name, getattr(self, name).to(device))
+        md = self.metadata
+        for name in ("slot_mapping", "block_tables", "context_lens", "cu_seqlens_q"):
+            setattr(md, name, getattr(md, name).to(device))
+
+    def expected_caches(self):
+        """The caches after this step's store, written with plain indexing."""
+        kc, vc = self.k_cache.clone(), self.v_cache.clone()
+        keep = self.metadata.slot_mapping >= 0
+        slots = self.metadata.slot_mapping[keep]
+        kc.view(-1, *kc.shape[2:])[slots] = self.k[keep]
+        vc.view(-1, *vc.shape[2:])[slots] = self.v[keep]
+        return kc, vc
+
+    def expected(self):
+        kc, vc = self.expected_caches()
+        q = self.q[:self.num_real]
+        return paged_attention_reference(q, kc, vc, self.metadata, self.scale)
+
+
+def _randn(g, *shape_and_dtype):
+    *shape, dtype = shape_and_dtype
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def assert_close(out, ref, dtype):
+    out, ref = out.float(), ref.float()
+    assert not out.isnan().any(), "NaN in the kernel's output: it read an unwritten slot"
+    torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def run_kernels(case: Case, num_splits: int, config=None):
+    """store_kv + paged_attention, launched directly (the functional API of triton_kernels)."""
+    md = case.metadata
+    tk.store_kv(case.k, case.v, case.k_cache, case.v_cache, md.slot_mapping)
+    group = case.q.shape[1] // case.k_cache.shape[2]
+    interpret = DEVICE == "cpu"
+    if config is None:
+        config = (tk.decode_config(case.q.shape[2], group, interpret) if md.max_query_len == 1 else
+                  tk.prefill_config(case.q.shape[2], group, md.max_query_len, interpret))
+    return tk.paged_attention(case.q, case.k_cache, case.v_cache, md.block_tables,
+                              md.context_lens, md.cu_seqlens_q, case.scale, num_seqs=md.num_seqs,
+                              max_query_len=md.max_query_len, config=config,
+                              num_splits=num_splits)
+
+
+# ------------------------------------------------------------------------------------- store
+@pytest.mark.parametrize("num_kv_heads,head_dim,dtype", [
+    (4, 8, torch.float32), (2, 128, torch.bfloat16), (8, 64, torch.float16), (3, 24, torch.float32),
+])
+def test_store_kv_writes_every_slot_and_skips_padding(num_kv_heads, head_dim, dtype):
+    case = Case([(3, 10), (1, 17), (9, 9)], block_size=8, num_heads=num_kv_heads,
+                num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, pad_tokens=3)
+    kc, vc = case.expected_caches()
+    tk.store_kv(case.k, case.v, case.k_cache, case.v_cache, case.metadata.slot_mapping)
+    # bit for bit, NaN slots included: a padding token (slot -1) must not have written anywhere
+    torch.testing.assert_close(case.k_cache, kc, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(case.v_cache, vc, rtol=0, atol=0, equal_nan=True)
+
+
+# ------------------------------------------------------------------------------------ decode
+DECODE_SHAPES = [  # block_size, num_heads, num_kv_heads, head_dim, dtype
+    pytest.param(8, 8, 4, 8, torch.float32, id="stories260K-bs8-fp32"),
+    pytest.param(16, 8, 8, 128, torch.bfloat16, id="mha-d128-bs16-bf16"),
+    pytest.param(16, 16, 8, 128, torch.bfloat16, id="qwen3-gqa2-d128-bs16-bf16"),
+    pytest.param(128, 16, 2, 64, torch.float16, id="gqa8-d64-bs128-fp16"),
+    pytest.param(32, 6, 2, 40, torch.float32, id="gqa3-d40-bs32-fp32"),
+]
+
+
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim,dtype", DECODE_SHAPES)
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_matches_reference(block_size, num_heads, num_kv_heads, head_dim, dtype, num_splits):
+    # context lengths at the edges: 1, one block, one block + 1, and a few hundred
+    lens = [1, block_size, block_size + 1, 300]
+    case = Case([(1, n) for n in lens], block_size, num_heads, num_kv_heads, head_dim, dtype,
+                pad_tokens=2, seed=num_splits)
+    out = run_kernels(case, num_splits)
+    assert_close(out[:case.num_real], case.expected(), dtype)
+
+
+def test_decode_more_splits_than_key_tiles():
+    # 16 splits of a 20-key context: most parts are empty and must weigh nothing in the merge
+    case = Case([(1, 20), (1, 3)], 8, 4, 2, 16, torch.float32)
+    out = run_kernels(case, num_splits=16)
+    assert_close(out, case.expected(), torch.float32)
+
+
+# ----------------------------------------------------------------------------------- prefill
+PREFILL_SHAPES = [
+    pytest.param(8, 8, 4, 8, torch.float32, id="stories260K-bs8-fp32"),
+    pytest.param(16, 16, 8, 128, torch.bfloat16, id="qwen3-gqa2-d128-bs16-bf16"),
+    pytest.param(128, 16, 2, 64, torch.float16, id="gqa8-d64-bs128-fp16"),
+]
+
+
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim,dtype", PREFILL_SHAPES)
+def test_mixed_prefill_and_decode_matches_reference(block_size, num_heads, num_kv_heads,
+                                                    head_dim, dtype):
+    seqs = [
+        (37, 37),  # a fresh prompt
+        (1, 150),  # a decode
+        (block_size + 1, block_size + 1),  # a prompt one token into its second block
+        (5, 5 + 2 * block_size),  # prefix-cache hit: two cached blocks, five new tokens
+        (20, 90),  # a chunk of a chunked prefill: 70 keys cached by earlier chunks
+        (1, 1),  # a decode with a single key
+    ]
+    case = Case(seqs, block_size, num_heads, num_kv_heads, head_dim, dtype, pad_tokens=3)
+    out = run_kernels(case, num_splits=1)
+    assert_close(out[:case.num_real], case.expected(), dtype)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(64, 64), (16, 16)])
+def test_prefill_with_splits_and_long_query(block_m, block_n):
+    # split-KV also works for query tiles; a 70-token query spans several tiles (GQA 4: 16 rows
+    # hold 4 tokens, 64 rows 16 tokens)
+    case = Case([(70, 200), (2, 2)], 16, 4, 1, 32, torch.float32)
+    config = tk.KernelConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2)
+    out = run_kernels(case, num_splits=4, config=config)
+    assert_close(out, case.expected(), torch.float32)
+
+
+# ----------------------------------------------------------------------------------- backend
+@pytest.mark.parametrize("seqs", [
+    pytest.param([(1, 40), (1, 9), (1, 1)], id="decode-only"),
+    pytest.param([(12, 30), (1, 9), (4, 4)], id="mixed"),
+])
+def test_backend_forward_equals_torch_ref_backend(seqs):
+    # torch_ref gathers whole padded rows and masks scores afterwards, so its unused slots must
+    # hold finite garbage (1e4) rather than NaN here.
+    case = Case(seqs, 8, 8, 4, 8, torch.float32, pad_tokens=2, fill=1e4)
+    ref_case = Case(seqs, 8, 8, 4, 8, torch.float32, pad_tokens=2, fill=1e4)
+    ref_backend, backend = TorchRefBackend(), get_attention_backend("triton", DEVICE)
+    assert isinstance(backend, TritonBackend) and backend.name == "triton"
+    md = case.metadata
+    ref_md = ref_case.metadata
+    ref_backend.prepare(ref_md)
+    backend.prepare(md)
+    for layer in range(2):  # the plan is shared by the layers of a step
+        ref = ref_backend.forward(ref_case.q, ref_case.k, ref_case.v, ref_case.k_cache,
+                                  ref_case.v_cache, ref_md, case.scale)
+        out = backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, md, case.scale)
+        n = case.num_real
+        assert_close(out[:n], ref[:n], torch.float32)
+    torch.testing.assert_close(case.k_cache, ref_case.k_cache, rtol=0, atol=0)
+    torch.testing.assert_close(case.v_cache, ref_case.v_cache, rtol=0, atol=0)
+
+
+def test_choose_num_splits_fills_the_gpu_and_keeps_keys_per_split():
+    # a big batch already fills 132 SMs: no split
+    assert tk.choose_num_splits(256 * 8, 4096, 64, num_sms=132) == 1
+    # one sequence, 8 KV heads: split, into a power of two
+    s = tk.choose_num_splits(8, 4096, 64, num_sms=132)
+    assert s > 1 and s & (s - 1) == 0
+    # a short context is not cut into parts smaller than two tiles
+    assert tk.choose_num_splits(8, 100, 64, num_sms=132) == 1
+
+
+# -------------------------------------------------------------------------------- end to end
+def _llm_available():
+    try:
+        from minipaged import LLM  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _llm_available(), reason="minipaged.LLM not available yet")
+def test_stories260k_greedy_tokens_equal_torch_ref():
+    from minipaged import LLM, SamplingParams
+
+    prompts = ["Once upon a time", "The little dog", "Lily wanted to"]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch_ref", "triton"):
+        llm = LLM("stories260K", attention_backend=backend, num_blocks=64, block_size=8)
+        assert llm.engine.backend.name == backend
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        tokens[backend] = [list(o.outputs[0].token_ids) for o in outs]
+    assert all(len(t) == 8 for t in tokens["triton"])
+    assert tokens["triton"] == tokens["torch_ref"]
