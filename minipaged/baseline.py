@@ -45,7 +45,7 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32, device: str = "
 def _gen_kwargs(max_new_tokens: int, ignore_eos: bool, pad_token_id: int) -> dict:
     kw = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id)
     if ignore_eos:
-        kw["min_new_tokens"] = max_new_tokens  # HF's way to keep generating past EOS
+        kw["eos_token_id"] = -1  # an id that never occurs: generate exactly max_new_tokens
     return kw
 
 

@@ -89,5 +89,5 @@ class ModelRunner:
         self.backend.prepare(metadata)
         hidden = self.model(input_ids, positions, self.kv_cache, metadata)  # (num_tokens, hidden)
         if len(sample_rows) != hidden.shape[0]:
-            hidden = hidden[torch.tensor(sample_rows, device=self.device)]
+            hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
         return self.model.compute_logits(hidden)  # (num_sampling_seqs, vocab)

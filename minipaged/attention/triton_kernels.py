@@ -165,24 +165,26 @@ def _attend_key_tile(
     return acc, l_i, m_new
 
 
-@triton.jit
+# The two ints vary from step to step: compiling a variant for each value would stall serving.
+@triton.jit(do_not_specialize=["num_q_tiles", "num_splits"])
 def paged_attention_kernel(
-    out_ptr,  # (num_tokens, num_heads, head_dim): written when NUM_SPLITS == 1
-    partial_out_ptr,  # (num_tokens, num_heads, NUM_SPLITS, head_dim) fp32: when NUM_SPLITS > 1
-    partial_lse_ptr,  # (num_tokens, num_heads, NUM_SPLITS) fp32 log2-sum-exp2 of each part
+    out_ptr,  # (num_tokens, num_heads, head_dim): written when not SPLIT
+    partial_out_ptr,  # (num_tokens, num_heads, num_splits, head_dim) fp32: when SPLIT
+    partial_lse_ptr,  # (num_tokens, num_heads, num_splits) fp32 log2-sum-exp2 of each part
     q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, context_lens_ptr, cu_seqlens_q_ptr,
     qk_scale,  # softmax scale * log2(e): we use exp2, which is what the hardware has
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq,
     num_q_tiles,  # query tiles per sequence in the grid (cdiv(max_query_len, BLOCK_Q))
+    num_splits,  # parts the key range is cut into (grid axis 2)
     QUERIES_PER_KV: tl.constexpr,  # GQA group: query heads that share one KV head
     GROUP_PAD: tl.constexpr,  # that group padded to a power of two
     BLOCK_Q: tl.constexpr,  # query tokens per tile; BLOCK_M = BLOCK_Q * GROUP_PAD rows
     BLOCK_N: tl.constexpr,  # keys per tile (any power of two; pages are gathered row by row)
     BLOCK_SIZE: tl.constexpr,  # tokens per KV-cache block
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,  # parts the key range is cut into (1 = no split-KV)
+    SPLIT: tl.constexpr,  # num_splits > 1: write partial results for reduce_splits_kernel
     FP32_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -212,13 +214,13 @@ def paged_attention_kernel(
     if FP32_DOT:
         q = q.to(tl.float32)
 
-    # -- which keys: [0, kv_end), cut into tiles of BLOCK_N, then into NUM_SPLITS parts --------
+    # -- which keys: [0, kv_end), cut into tiles of BLOCK_N, then into num_splits parts --------
     first_pos = ctx_len - q_len + q_tile * BLOCK_Q  # position of the tile's first query
     kv_end = tl.minimum(first_pos + BLOCK_Q, ctx_len)  # one past the tile's last query position
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
     # Keys 0..first_pos are visible to every row: those whole tiles need no mask at all.
     unmasked_tiles = (first_pos + 1) // BLOCK_N
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
@@ -241,16 +243,16 @@ def paged_attention_kernel(
             offs_d, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD,
             True, FP32_DOT, DOT_PRECISION)
 
-    # -- write: normalise, or leave a partial result for reduce_splits_kernel -----------------
+    # -- write: normalise, or leave a partial result for reduce_splits_kernel ------------------
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty split has l = 0
     out = acc / l_safe[:, None]
     token = (q_start + tok).to(tl.int64)
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o_ptrs = out_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
         num_heads = tl.num_programs(1) * QUERIES_PER_KV
-        row = (token * num_heads + head) * NUM_SPLITS + split  # (BLOCK_M,) index into partials
+        row = (token * num_heads + head) * num_splits + split  # (BLOCK_M,) index into partials
         tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=q_mask)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(partial_lse_ptr + row, lse, mask=row_valid)
@@ -372,10 +374,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        num_q_tiles,
+        num_q_tiles, num_splits,
         QUERIES_PER_KV=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=config.block_n,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), NUM_SPLITS=num_splits,
+        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), SPLIT=num_splits > 1,
         FP32_DOT=fp32_dot, DOT_PRECISION="ieee" if fp32_dot else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

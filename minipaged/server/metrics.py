@@ -1,0 +1,83 @@
+"""Prometheus metrics for `GET /metrics`, named like vLLM's (`vllm:` becomes `minipaged:`).
+Lesson 07 explains it and plots them while a burst of requests runs.
+
+    minipaged:num_requests_running        gauge      sequences in the running batch
+    minipaged:num_requests_waiting        gauge      queued: no seat (max_num_seqs) or no KV blocks
+    minipaged:kv_cache_blocks_used        gauge      blocks referenced by live sequences
+    minipaged:kv_cache_blocks_total       gauge      size of the cache in blocks
+    minipaged:kv_cache_usage_perc         gauge      used / total, 0..1 (vLLM's name)
+    minipaged:num_preemptions_total       counter    sequences preempted (recompute)
+    minipaged:prompt_tokens_total         counter    prompt tokens prefilled
+    minipaged:generation_tokens_total     counter    tokens generated
+    minipaged:request_success_total       counter    finished requests, by finished_reason
+    minipaged:time_to_first_token_seconds histogram  request arrival -> first token
+    minipaged:inter_token_latency_seconds histogram  gap between two tokens of one request
+    minipaged:e2e_request_latency_seconds histogram  arrival -> last token
+
+Every `Metrics` has its own `CollectorRegistry` (not prometheus_client's global one), so a test
+or a notebook can build several servers in one process. The engine thread updates them (the
+client library is thread-safe); `/metrics` renders the registry in Prometheus' text format.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+PREFIX = "minipaged:"
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+               0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+               40.0, 50.0, 60.0, 120.0, 240.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+        self.model_name = model_name
+
+        def gauge(name, doc):
+            return Gauge(PREFIX + name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(PREFIX + name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_blocks_used = gauge("kv_cache_blocks_used", "KV-cache blocks in use.")
+        self.kv_cache_blocks_total = gauge("kv_cache_blocks_total", "KV-cache blocks in total.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage: 0 empty, 1 full.")
+        self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefilled prompt tokens.")
+        self.generation_tokens = counter("generation_tokens", "Number of generated tokens.")
+        self._success = Counter(PREFIX + "request_success", "Finished requests.",
+                                labels + ["finished_reason"], registry=r)
+        self.time_to_first_token = histogram("time_to_first_token_seconds",
+                                             "Time to first token in seconds.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds",
+                                             "Inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds",
+                                             "End-to-end request latency in seconds.", E2E_BUCKETS)
+
+    def request_finished(self, reason: str) -> None:
+        self._success.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {sample name: value}, summed over labels (enough for plots and tests).
+
+    Histograms appear as `<name>_count`, `<name>_sum` and `<name>_bucket` (the last summed over
+    buckets, so mostly useless; use `_sum / _count` for a mean)."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            values[s.name] = values.get(s.name, 0.0) + s.value
+    return values

@@ -1,0 +1,224 @@
+"""The OpenAI API's request and response bodies as pydantic models. Lesson 07 explains it.
+
+FastAPI reads these to validate every request (a wrong type is a 400 before any engine code runs)
+and to write the OpenAPI schema that `/docs` (Swagger UI) shows. Field names and defaults follow
+OpenAI's API reference; the extra sampling fields vLLM accepts (`top_k`, `min_p`,
+`repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, ...) are here too, so the
+`openai` client can send them with `extra_body={...}`.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIBaseModel(BaseModel):
+    # Unknown fields are accepted and ignored, as vLLM and OpenAI do (clients send fields that
+    # not every server knows); the ones minipaged cannot honour are declared and checked.
+    model_config = ConfigDict(extra="allow")
+
+
+# --- errors ----------------------------------------------------------------------------------
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[Union[str, int]] = None
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+# --- models ----------------------------------------------------------------------------------
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "minipaged"
+    root: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# --- shared ----------------------------------------------------------------------------------
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class SamplingFields(OpenAIBaseModel):
+    """Sampling fields both endpoints share (OpenAI's, then vLLM's extensions)."""
+
+    model: Optional[str] = Field(None, description="a name from /v1/models; default: the first")
+    n: int = Field(1, ge=1, le=128, description="independent samples per prompt")
+    temperature: Optional[float] = Field(None, description="0 = greedy; default 1.0")
+    top_p: Optional[float] = None
+    seed: Optional[int] = Field(None, description="same seed, same prompt -> same output")
+    stop: Optional[Union[str, list[str]]] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    logit_bias: Optional[dict[str, float]] = Field(None, description="not supported (400 if set)")
+    # vLLM extensions (send them with the openai client's extra_body=...)
+    top_k: Optional[int] = Field(None, description="vLLM extension: keep the k most likely tokens")
+    min_p: Optional[float] = Field(None, description="vLLM extension: drop tokens below min_p x p_max")
+    repetition_penalty: Optional[float] = Field(None, description="vLLM extension (HF's rule)")
+    ignore_eos: bool = Field(False, description="vLLM extension: keep going past EOS (benchmarks)")
+    min_tokens: int = Field(0, ge=0, description="vLLM extension: no EOS/stop before this many")
+    stop_token_ids: Optional[list[int]] = Field(None, description="vLLM extension")
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+# --- /v1/completions -------------------------------------------------------------------------
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
+        ..., description="text, a list of texts, token ids, or a list of token-id lists")
+    max_tokens: Optional[int] = Field(16, description="OpenAI's default for completions is 16")
+    logprobs: Optional[int] = Field(None, ge=0, le=20,
+                                    description="return the top-N log-probabilities per token")
+    echo: bool = Field(False, description="not supported (400 if true)")
+    suffix: Optional[str] = Field(None, description="not supported (400 if set)")
+    best_of: Optional[int] = Field(None, description="only None or equal to n")
+
+
+class CompletionLogprobs(OpenAIBaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[UsageInfo] = None
+
+
+# --- /v1/chat/completions --------------------------------------------------------------------
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: Optional[Union[str, list[dict[str, Any]]]] = None
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: Optional[int] = Field(None, description="deprecated by OpenAI in favour of "
+                                      "max_completion_tokens; default: up to max_model_len")
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    tools: Optional[list[dict[str, Any]]] = Field(None, description="not supported (400 if set)")
+    # vLLM extensions
+    chat_template: Optional[str] = Field(None, description="a Jinja template for this request")
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_generation_prompt: bool = True
+
+
+class TopLogprob(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(OpenAIBaseModel):
+    content: Optional[list[ChatTokenLogprob]] = None
+
+
+class ChatResponseMessage(OpenAIBaseModel):
+    role: str = "assistant"
+    content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+
+
+class ChatChoice(OpenAIBaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Optional[UsageInfo] = None
+
+
+# --- streaming chunks (each one a `data: {...}` server-sent event) ---------------------------
+class CompletionStreamChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: Optional[str] = None
+    content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+
+
+class ChatStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Optional[UsageInfo] = None

@@ -1,0 +1,49 @@
+"""Shared helpers for the tests: tiny random HF models of each family, saved to disk."""
+from __future__ import annotations
+
+import torch
+
+
+def make_tiny_hf_model(family: str, path, seed: int = 0, dtype=torch.float64):
+    """A random-weight Llama / Qwen2 / Qwen3 / Mistral model with GQA, saved as an HF folder."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                  initializer_range=0.2)
+    cls, cfg = {
+        "llama": (LlamaForCausalLM, lambda: LlamaConfig(**common, rope_theta=10000.0)),
+        "mistral": (MistralForCausalLM, lambda: MistralConfig(**common, sliding_window=None)),
+        "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(**common)),
+        "qwen3": (Qwen3ForCausalLM, lambda: Qwen3Config(**common, head_dim=16)),
+    }[family]
+    torch.manual_seed(seed)
+    model = cls(cfg()).to(dtype).eval()
+    if family == "qwen2":  # make the q/k/v biases matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    if family == "qwen3":  # and the q/k norms
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(str(path))
+    return model
+
+
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int | list[int]) -> list[list[int]]:
+    """Reference: HF generate(do_sample=False) one prompt at a time, EOS ignored (like ignore_eos)."""
+    if isinstance(max_new_tokens, int):
+        max_new_tokens = [max_new_tokens] * len(prompts)
+    outs = []
+    with torch.no_grad():
+        for ids, n in zip(prompts, max_new_tokens):
+            x = torch.tensor([ids])
+            # eos_token_id=-1: never stop early, and (unlike min_new_tokens) never ban EOS either
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                               do_sample=False, pad_token_id=0, eos_token_id=-1)
+            outs.append(y[0, len(ids):].tolist())
+    return outs
