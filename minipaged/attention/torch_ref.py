@@ -99,7 +99,10 @@ class TorchRefBackend(AttentionBackend):
         # 2. attend, one SDPA per group.
         out = q.new_empty(q.shape) if not plan.identity_order else None
         for g in plan.groups:
-            qg = q[g.token_index].transpose(1, 2)  # (G, max_q, heads, dim) -> (G, heads, max_q, dim)
+            if plan.identity_order:  # rows already in order: a view, no gather
+                qg = q.view(g.token_index.shape + q.shape[1:]).transpose(1, 2)
+            else:
+                qg = q[g.token_index].transpose(1, 2)  # (G, max_q, heads, dim) -> (G, heads, max_q, dim)
             G, ctx = g.slots.shape
             # index_select on the flat slot list is much faster than 2-D fancy indexing
             kg = k_flat.index_select(0, g.slots.view(-1)).view(G, ctx, num_kv_heads, head_dim)

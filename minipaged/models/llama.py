@@ -81,17 +81,21 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # (max_positions, head_dim)
         self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
 
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos, sin for the step's tokens, looked up once per step and shared by every layer."""
+        cos = self.cos[positions].to(dtype)[:, None, :]  # (num_tokens, 1, head_dim)
+        sin = self.sin[positions].to(dtype)[:, None, :]
+        return cos, sin
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # (num_tokens, 1, head_dim)
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        q = q * cos + self._rotate_half(q) * sin
-        k = k * cos + self._rotate_half(k) * sin
-        return q, k
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotate each (i, i + head_dim/2) pair of q and k by its position's angle."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 class LlamaAttention(nn.Module):
@@ -111,7 +115,7 @@ class LlamaAttention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.backend = backend
 
-    def forward(self, positions, hidden, kv_cache, attn_metadata: AttentionMetadata):
+    def forward(self, rope, hidden, kv_cache, attn_metadata: AttentionMetadata):
         n = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # (num_tokens, (heads + 2 * kv_heads) * head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -120,7 +124,7 @@ class LlamaAttention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rope(q, k, *rope)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata, self.scale)
         return self.o_proj(out.reshape(n, self.q_size))  # (num_tokens, hidden)
 
@@ -144,9 +148,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, kv_cache, attn_metadata):
+    def forward(self, rope, hidden, kv_cache, attn_metadata):
         residual = hidden
-        hidden = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, attn_metadata)
+        hidden = self.self_attn(rope, self.input_layernorm(hidden), kv_cache, attn_metadata)
         hidden = residual + hidden
         residual = hidden
         return residual + self.mlp(self.post_attention_layernorm(hidden))
@@ -174,15 +178,14 @@ class LlamaForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg, max_positions)
-        for layer in self.model.layers:  # one shared table; plain attribute, not a submodule
-            object.__setattr__(layer.self_attn, "rotary", self.rotary)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: (num_tokens,); kv_caches: (layers, 2, blocks, block_size, kv_heads, dim)."""
         hidden = self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
+        rope = self.rotary(positions, hidden.dtype)  # (cos, sin), each (num_tokens, 1, head_dim)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(positions, hidden, kv_cache, attn_metadata)
+            hidden = layer(rope, hidden, kv_cache, attn_metadata)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
