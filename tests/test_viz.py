@@ -1,0 +1,161 @@
+"""The accounting behind the lessons' pictures (minipaged/viz.py, the replay helpers in trace.py)."""
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+
+from minipaged import viz  # noqa: E402
+from minipaged.block_manager import BlockManager  # noqa: E402
+from minipaged.sampling import SamplingParams  # noqa: E402
+from minipaged.sequence import Sequence  # noqa: E402
+from minipaged.trace import (RequestState as S, ScheduledEntry, StepRecord,  # noqa: E402
+                             request_timeline, tokens_in_cache)
+
+W, P, D, X, R, I, A, PAD = S.WAITING, S.PREFILL, S.DECODE, S.PREEMPTED, S.REQUEUED, S.STALLED, \
+    S.ABSENT, S.PADDING
+
+
+def rec(step, scheduled, preempted=(), finished=()):
+    return StepRecord(step=step, start_time=0.0, duration=0.0,
+                      scheduled=[ScheduledEntry(rid, 0, p, d, before) for rid, p, d, before in scheduled],
+                      preempted=list(preempted), finished=list(finished), num_waiting=0,
+                      num_running=0, num_blocks_used=0, num_blocks_free=0, num_blocks_cached=0,
+                      num_batched_tokens=0)
+
+
+# (request, prefill tokens, decode tokens, tokens cached before the step)
+TRACE = [
+    rec(0, [("a", 4, 0, 0), ("b", 2, 0, 0)]),  # a prefills 4, b a first chunk of 2
+    rec(1, [("a", 0, 1, 4), ("b", 3, 0, 2)]),  # b's last chunk
+    rec(2, [("b", 0, 1, 5)], preempted=["a"]),  # a loses its blocks
+    rec(3, [("b", 0, 1, 6), ("c", 3, 0, 0)], finished=["b"]),
+    rec(4, [("a", 6, 0, 0)]),  # a recomputes its 5 tokens + the one it had sampled; c stalls
+    rec(5, [("a", 0, 1, 6), ("c", 0, 1, 3)], finished=["a", "c"]),
+]
+
+
+def test_request_timeline_states():
+    states = request_timeline(TRACE, ["a", "b", "c"])
+    assert states == [
+        [P, D, X, R, P, D],
+        [P, P, D, D, A, A],
+        [W, W, W, P, I, D],
+    ]
+
+
+def test_tokens_in_cache_replays_the_trace():
+    assert tokens_in_cache(TRACE, 0) == {"a": 4, "b": 2}
+    assert tokens_in_cache(TRACE, 2) == {"b": 6}  # a was preempted: nothing cached
+    assert tokens_in_cache(TRACE, 3) == {"c": 3}
+    assert tokens_in_cache(TRACE, 4) == {"a": 6, "c": 3}
+    assert tokens_in_cache(TRACE, 5) == {}
+
+
+def test_static_batching_timeline_by_hand():
+    st = viz.static_batching_timeline([2, 3, 1], [1, 3, 2], batch_size=2)
+    # batch 0 runs 3 passes (its longest output); request 0 finished after the prefill
+    assert st == [
+        [P, PAD, PAD, A, A],
+        [P, D, D, A, A],
+        [W, W, W, P, D],
+    ]
+    u = viz.gantt_utilisation(st)
+    assert u == {"steps": 5, "useful": 6, "padding": 2, "waiting": 3, "preempted": 0}
+
+
+def _seq(tokens):
+    return Sequence("r", list(tokens), SamplingParams())
+
+
+def test_block_table_view_counts_shared_blocks_once():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = _seq(range(10, 20))  # 10 tokens: 3 blocks, the last one half full
+    bm.allocate(a, [], a.num_tokens)
+    a.num_computed_tokens = a.num_tokens
+    b = _seq(range(10, 20))
+    bm.fork(a, b)
+    v = viz.view_from_block_manager(bm)
+    assert v.shared_blocks == set(bm.block_tables[a.seq_id])
+    assert v.num_tokens_stored == bm.usage().num_tokens_stored == 10
+    assert [v.fill(f"seq {a.seq_id}", i) for i in range(3)] == [4, 4, 2]
+    # copy-on-write: b writes its 11th token into a private copy of the shared last block
+    copies = bm.append_slots(b, 1)
+    assert len(copies) == 1
+    v = viz.view_from_block_manager(bm)
+    assert len(v.shared_blocks) == 2
+    assert v.num_tokens_stored == bm.usage().num_tokens_stored
+    plt.close(viz.plot_block_tables(bm))
+
+
+@pytest.fixture(scope="module")
+def engine_trace():
+    from minipaged import LLM
+    from minipaged.bench import make_workload
+    wl = make_workload("cpu", 512, 8, seed=0, bos=1, max_model_len=128)
+    wl.max_tokens = [m // 8 for m in wl.max_tokens]
+    llm = LLM("stories260K", num_blocks=20, block_size=8, max_model_len=128,
+              max_num_batched_tokens=48, record_block_tables=True)
+    llm.generate(wl.prompts, [SamplingParams(max_tokens=m, ignore_eos=True, temperature=0)
+                              for m in wl.max_tokens], use_tqdm=False)
+    return wl, llm.trace
+
+
+def test_trace_views_agree_with_the_engine(engine_trace):
+    wl, trace = engine_trace
+    assert sum(len(r.preempted) for r in trace) > 0
+    for pos, r in enumerate(trace):
+        v = viz.view_from_trace(trace, pos)
+        # block counts follow from the replayed token counts ...
+        for rid, table in v.tables.items():
+            assert len(table) == -(-v.num_tokens[rid] // 8)
+        # ... and the picture's totals are the engine's own usage
+        assert v.num_tokens_stored == r.usage.num_tokens_stored
+    states = request_timeline(trace)
+    # every request ran exactly as many decode steps as it sampled tokens after the first
+    decodes = sorted(row.count(S.DECODE) for row in states)
+    assert decodes == sorted(m - 1 for m in wl.max_tokens)
+
+
+def test_plots_draw(engine_trace):
+    from minipaged.memory_waste import compare_strategies, make_trace
+    wl, trace = engine_trace
+    figs = [viz.plot_block_tables(trace, 5), viz.plot_batch_gantt(trace),
+            viz.plot_kv_utilization(trace),
+            viz.plot_static_vs_continuous(trace, [len(p) for p in wl.prompts], wl.max_tokens, 4),
+            viz.plot_throughput({"minipaged": 10.0, "hf-static": 5.0}, baseline="hf-static"),
+            viz.plot_kv_cache_size({"x": 1280}, max_tokens=1024, budget_gib=0.001)]
+    res = compare_strategies(make_trace("alpaca", 20, max_model_len=256), 512, block_sizes=(16,),
+                             max_model_len=256)
+    figs += [viz.plot_memory_waste(res), viz.plot_waste_over_time(res[-1])]
+    rows = viz.block_size_tradeoff(make_trace("alpaca", 20, max_model_len=256), 512,
+                                   block_sizes=(1, 16), max_model_len=256)
+    assert rows[0]["internal_fragmentation"] == 0.0
+    assert rows[0]["mean_table_entries"] > rows[1]["mean_table_entries"]
+    figs.append(viz.plot_block_size_tradeoff(rows))
+    for f in figs:
+        assert f.axes
+        plt.close(f)
+
+
+def test_sampling_stages_mask_what_the_sampler_masks():
+    import torch
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
+    st = viz.sampling_stages(logits, temperature=1.0, top_k=2, top_p=0.7, min_p=0.2)
+    assert int((st["top_k 2"] > 0).sum()) == 2
+    assert int((st["top_p 0.7"] > 0).sum()) == 2  # p = .64, .24, ...: .64 < .7 so keep two
+    assert int((st["min_p 0.2"] > 0).sum()) == 2  # .24/.64 >= .2, .09/.64 < .2
+    for p in st.values():
+        assert float(p.sum()) == pytest.approx(1.0)
+
+
+def test_widgets_build_headless(engine_trace):
+    _, trace = engine_trace
+    w = viz.trace_explorer(trace, start=3)
+    assert w is not None and w.children
+    from minipaged.memory_waste import make_trace
+    w = viz.block_size_explorer(make_trace("alpaca", 10, max_model_len=256), 512,
+                                block_sizes=(8, 16), start=16, max_model_len=256)
+    assert w is not None
+    plt.close("all")
