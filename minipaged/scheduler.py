@@ -86,12 +86,12 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             n = min(seq.num_uncomputed_tokens, budget)
             while not bm.can_append(seq, n):
-                victim = self._preempt_last(out)
+                victim, returned = self._preempt_last(out)
+                budget += returned  # the victim may already have been scheduled this step
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            budget = self.max_num_batched_tokens - out.num_batched_tokens  # a victim may return some
             n = min(seq.num_uncomputed_tokens, budget)
             out.blocks_to_copy += bm.append_slots(seq, n)
             out.scheduled.append(ScheduledSeq(seq, n, seq.is_prefill))
@@ -116,7 +116,9 @@ class Scheduler:
             budget -= n
         return out
 
-    def _preempt_last(self, out: SchedulerOutput) -> Sequence:
+    def _preempt_last(self, out: SchedulerOutput) -> tuple[Sequence, int]:
+        """Preempt the most recently admitted running sequence; returns it and the tokens it
+        gives back to this step's budget."""
         victim = self.running.pop()
         self.block_manager.free(victim)
         victim.status = SequenceStatus.WAITING
@@ -129,8 +131,8 @@ class Scheduler:
         for i, s in enumerate(out.scheduled):
             if s.seq is victim:
                 out.scheduled.pop(i)
-                break
-        return victim
+                return victim, s.num_new_tokens
+        return victim, 0
 
     # --- after the step ---------------------------------------------------------------------
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
