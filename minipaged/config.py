@@ -31,6 +31,7 @@ class EngineConfig:
     device: str = "auto"
     attention_backend: Optional[str] = None  # None: "triton" on CUDA, "torch_ref" elsewhere
     record_block_tables: bool = False  # snapshot every block table into the trace (lessons)
+    enforce_eager: bool = False  # True: never replay decode steps from CUDA graphs
 
     def validate(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -84,7 +84,9 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_chunked_prefill=config.enable_chunked_prefill)
         self.model_runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.backend,
-                                        self.device)
+                                        self.device, max_num_seqs=config.max_num_seqs,
+                                        max_model_len=config.max_model_len,
+                                        enforce_eager=config.enforce_eager)
         self.sampler = Sampler(seed=config.seed, eos_token_ids=self.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self.trace: list[StepRecord] = []

@@ -26,13 +26,21 @@ from minipaged.scheduler import SchedulerOutput
 
 class ModelRunner:
     def __init__(self, model, kv_cache: torch.Tensor, block_manager: BlockManager,
-                 backend: AttentionBackend, device: torch.device):
+                 backend: AttentionBackend, device: torch.device, *, max_num_seqs: int = 256,
+                 max_model_len: int = 2048, enforce_eager: bool = True):
         self.model = model
         self.kv_cache = kv_cache
         self.block_manager = block_manager
         self.backend = backend
         self.device = device
         self.block_size = block_manager.block_size
+        self.graph_runner = None
+        if device.type == "cuda" and not enforce_eager and backend.name == "triton":
+            from minipaged.cuda_graphs import CUDAGraphRunner
+            self.graph_runner = CUDAGraphRunner(model, kv_cache, backend, max_num_seqs=max_num_seqs,
+                                                max_model_len=max_model_len,
+                                                block_size=self.block_size, device=device)
+            self.graph_runner.capture()
 
     def prepare_inputs(self, sched: SchedulerOutput):
         """Flatten the step into tensors: (input_ids, positions, attn_metadata, sample_rows)."""
@@ -64,8 +72,8 @@ class ModelRunner:
             cu.append(cu[-1] + n)
         dev = self.device
 
-        def tensor(x, dtype):
-            return torch.tensor(x, dtype=dtype, device=dev)
+        def tensor(x, dtype):  # built on the host, copied without blocking the host
+            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
 
         metadata = AttentionMetadata(
             slot_mapping=tensor(slot_mapping, torch.int64),
@@ -86,8 +94,12 @@ class ModelRunner:
         """Run one step; returns fp32 logits (num_sampling_seqs, vocab)."""
         copy_blocks(self.kv_cache, sched.blocks_to_copy)
         input_ids, positions, metadata, sample_rows = self.prepare_inputs(sched)
-        self.backend.prepare(metadata)
-        hidden = self.model(input_ids, positions, self.kv_cache, metadata)  # (num_tokens, hidden)
+        graphs = self.graph_runner
+        if graphs is not None and metadata.max_query_len == 1 and graphs.can_run(metadata.num_seqs):
+            hidden = graphs.run(input_ids, positions, metadata)  # decode step: replay a graph
+        else:
+            self.backend.prepare(metadata)
+            hidden = self.model(input_ids, positions, self.kv_cache, metadata)  # (num_tokens, hidden)
         if len(sample_rows) != hidden.shape[0]:
             hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
         return self.model.compute_logits(hidden)  # (num_sampling_seqs, vocab)
