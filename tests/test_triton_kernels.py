@@ -152,6 +152,7 @@ DECODE_SHAPES = [  # block_size, num_heads, num_kv_heads, head_dim, dtype
     pytest.param(16, 16, 8, 128, torch.bfloat16, id="qwen3-gqa2-d128-bs16-bf16"),
     pytest.param(128, 16, 2, 64, torch.float16, id="gqa8-d64-bs128-fp16"),
     pytest.param(32, 6, 2, 40, torch.float32, id="gqa3-d40-bs32-fp32"),
+    pytest.param(16, 4, 2, 256, torch.bfloat16, id="gqa2-d256-bs16-bf16"),
 ]
 
 
@@ -178,6 +179,7 @@ PREFILL_SHAPES = [
     pytest.param(8, 8, 4, 8, torch.float32, id="stories260K-bs8-fp32"),
     pytest.param(16, 16, 8, 128, torch.bfloat16, id="qwen3-gqa2-d128-bs16-bf16"),
     pytest.param(128, 16, 2, 64, torch.float16, id="gqa8-d64-bs128-fp16"),
+    pytest.param(16, 2, 1, 256, torch.float32, id="gqa2-d256-bs16-fp32"),
 ]
 
 
@@ -234,25 +236,29 @@ def test_backend_forward_equals_torch_ref_backend(seqs):
 
 
 def test_choose_num_splits_fills_the_gpu_and_keeps_keys_per_split():
+    decode = tk.KernelConfig(block_m=16, block_n=64, num_warps=2, num_stages=3)
     # a big batch already fills 132 SMs: no split
-    assert tk.choose_num_splits(256 * 8, 4096, 64, num_sms=132) == 1
+    assert tk.choose_num_splits(256 * 8, 4096, decode, num_sms=132) == 1
     # one sequence, 8 KV heads: split, into a power of two
-    s = tk.choose_num_splits(8, 4096, 64, num_sms=132)
+    s = tk.choose_num_splits(8, 4096, decode, num_sms=132)
     assert s > 1 and s & (s - 1) == 0
-    # a short context is not cut into parts smaller than two tiles
-    assert tk.choose_num_splits(8, 100, 64, num_sms=132) == 1
+    # never more parts than key tiles: 100 keys are two tiles of 64
+    assert tk.choose_num_splits(8, 100, decode, num_sms=132) == 2
+    assert tk.choose_num_splits(8, 64, decode, num_sms=132) == 1
 
 
 # -------------------------------------------------------------------------------- end to end
-def _llm_available():
+def _stories260k_available():
     try:
         from minipaged import LLM  # noqa: F401
-    except ImportError:
+        from minipaged.models.loader import resolve_model
+        resolve_model("stories260K")
+    except (ImportError, FileNotFoundError):
         return False
     return True
 
 
-@pytest.mark.skipif(not _llm_available(), reason="minipaged.LLM not available yet")
+@pytest.mark.skipif(not _stories260k_available(), reason="minipaged.LLM or stories260K not found")
 def test_stories260k_greedy_tokens_equal_torch_ref():
     from minipaged import LLM, SamplingParams
 

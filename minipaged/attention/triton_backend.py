@@ -86,7 +86,7 @@ class TritonBackend(AttentionBackend):
         if num_splits is None:
             block_q = config.block_m // tk.triton.next_power_of_2(group)
             programs = plan.num_seqs * tk.triton.cdiv(plan.max_query_len, block_q) * num_kv_heads
-            num_splits = tk.choose_num_splits(programs, plan.max_context_len, config.block_n,
+            num_splits = tk.choose_num_splits(programs, plan.max_context_len, config,
                                               num_sms(q.device))
         workspace = None
         if num_splits > 1:  # shared by all layers of the step: they run one after another

@@ -298,38 +298,53 @@ class KernelConfig:
 
 
 def decode_config(head_dim: int, group: int, interpret: bool) -> KernelConfig:
-    """Decode: one query token per sequence, so one tile holds just the heads of one KV head."""
+    """Decode: one query token per sequence, so one tile holds just the heads of one KV head.
+
+    Memory-bound: small tiles of 64 keys and only 2 warps, so that 4 programs share an SM and
+    keep enough loads in flight (H200 sweep, benchmarks/attention.py --sweep: 2 warps read
+    4.18 TB/s at batch 64 x 4096 keys, 4 warps 3.11, 8 warps 3.14).
+    """
     rows = max(16, triton.next_power_of_2(group))
     if interpret:  # big tiles = few Python-level loop iterations in the interpreter
         return KernelConfig(block_m=rows, block_n=64, num_warps=1, num_stages=1)
-    return KernelConfig(block_m=rows, block_n=64 if head_dim <= 128 else 32, num_warps=4,
-                        num_stages=3)
+    if head_dim > 128:
+        return KernelConfig(block_m=rows, block_n=32, num_warps=4, num_stages=3)
+    return KernelConfig(block_m=rows, block_n=64, num_warps=2 if rows == 16 else 4, num_stages=3)
 
 
 def prefill_config(head_dim: int, group: int, max_query_len: int, interpret: bool) -> KernelConfig:
-    """Prefill / mixed steps: tiles of several query tokens times the group's heads."""
+    """Prefill / mixed steps: tiles of several query tokens times the group's heads.
+
+    Long prompts are compute-bound: 128-row x 128-key tiles on 8 warps (358 TFLOP/s on an
+    8192-token prompt, H200); when they leave the GPU half empty, split-KV fills it.
+    """
     group_pad = triton.next_power_of_2(group)
-    rows = max(16, group_pad, min(128 if head_dim <= 128 else 64,
-                                  triton.next_power_of_2(max_query_len) * group_pad))
+    rows = max(16, group_pad, min(128, triton.next_power_of_2(max_query_len) * group_pad))
     if interpret:
         return KernelConfig(block_m=rows, block_n=64, num_warps=1, num_stages=1)
-    return KernelConfig(block_m=rows, block_n=64 if head_dim <= 128 else 32,
-                        num_warps=8 if rows >= 128 else 4, num_stages=3 if head_dim <= 128 else 2)
+    if rows <= 32:  # a few query tokens per sequence: memory-bound like decode
+        return KernelConfig(block_m=rows, block_n=64 if head_dim <= 128 else 32,
+                            num_warps=2 if rows == 16 else 4, num_stages=3)
+    if head_dim > 128:
+        return KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    if rows == 64:
+        return KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+    return KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
 
 
-def choose_num_splits(num_programs: int, max_context_len: int, block_n: int, num_sms: int,
-                      programs_per_sm: int = 4, min_tiles_per_split: int = 2,
-                      max_splits: int = 64) -> int:
-    """Split-KV factor: enough programs to fill the GPU, but every split keeps some keys.
+def choose_num_splits(num_programs: int, max_context_len: int, config: KernelConfig,
+                      num_sms: int, max_splits: int = 64) -> int:
+    """Split-KV factor: enough programs to fill the GPU, at least one key tile per split.
 
     `num_programs` is what the grid has without splitting (sequences x query tiles x KV heads).
-    A power of two, so that the reduction kernel's `tl.arange` needs no padding.
+    About 8 warps of these programs fit on an SM at once (registers): 4 two-warp decode programs,
+    1 eight-warp prefill program. On an H200 (132 SMs) a decode batch of 1 is cut into 64 parts,
+    16 into 4, 64 and more not at all (benchmarks/attention.py --sweep). A power of two, so the
+    reduction kernel's `tl.arange` needs no padding.
     """
-    target = num_sms * programs_per_sm
-    if num_programs >= target:
-        return 1
-    tiles = triton.cdiv(max_context_len, block_n)
-    splits = min(triton.cdiv(target, num_programs), tiles // min_tiles_per_split, max_splits)
+    target = num_sms * max(1, 8 // config.num_warps)
+    tiles = triton.cdiv(max_context_len, config.block_n)
+    splits = min(target // max(num_programs, 1), tiles, max_splits)
     return 1 if splits < 2 else 1 << (splits.bit_length() - 1)  # round down to a power of two
 
 
