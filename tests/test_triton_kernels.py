@@ -174,6 +174,28 @@ def test_decode_more_splits_than_key_tiles():
     assert_close(out, case.expected(), torch.float32)
 
 
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_padding_sequence_with_no_keys_gives_zeros(num_splits):
+    # CUDA-graph padding rows: query length 1, context length 0, slot -1. Nothing is read, the
+    # output row is 0 (not NaN), and the real sequences are unaffected.
+    case = Case([(1, 70), (1, 1)], 8, 4, 2, 16, torch.float32, pad_tokens=1)
+    md = case.metadata
+    md.cu_seqlens_q = torch.arange(4, dtype=torch.int32, device=DEVICE)
+    md.context_lens = torch.tensor([70, 1, 0], dtype=torch.int32, device=DEVICE)
+    md.block_tables = torch.cat([md.block_tables, torch.zeros_like(md.block_tables[:1])])
+    md.query_lens, md.context_lens_host = [1, 1, 1], [70, 1, 0]
+    tk.store_kv(case.k, case.v, case.k_cache, case.v_cache, md.slot_mapping)
+    config = tk.decode_config(16, 2, DEVICE == "cpu")
+    out = tk.paged_attention(case.q, case.k_cache, case.v_cache, md.block_tables,
+                             md.context_lens, md.cu_seqlens_q, case.scale, num_seqs=3,
+                             max_query_len=1, config=config, num_splits=num_splits)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    md.query_lens, md.context_lens_host = [1, 1], [70, 1]  # the reference knows no empty rows
+    md.cu_seqlens_q, md.context_lens = md.cu_seqlens_q[:3], md.context_lens[:2]
+    assert_close(out[:2], paged_attention_reference(case.q[:2], case.k_cache, case.v_cache, md,
+                                                    case.scale), torch.float32)
+
+
 # ----------------------------------------------------------------------------------- prefill
 PREFILL_SHAPES = [
     pytest.param(8, 8, 4, 8, torch.float32, id="stories260K-bs8-fp32"),

@@ -275,10 +275,14 @@ def reduce_splits_kernel(
     splits = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     lse = tl.load(partial_lse_ptr + row * NUM_SPLITS + splits)  # (NUM_SPLITS,)
-    weight = tl.exp2(lse - tl.max(lse, axis=0))  # an empty part has lse = -inf: weight 0
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # a padding row (no keys at all): output 0, not NaN
+    weight = tl.exp2(lse - m)  # an empty part has lse = -inf: weight 0
     part = tl.load(partial_out_ptr + (row * NUM_SPLITS + splits)[:, None] * HEAD_DIM
                    + offs_d[None, :], mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    out = tl.sum(weight[:, None] * part, axis=0) / tl.sum(weight, axis=0)  # (HEAD_DIM_PAD,)
+    total = tl.sum(weight, axis=0)
+    total = tl.where(total == 0.0, 1.0, total)
+    out = tl.sum(weight[:, None] * part, axis=0) / total  # (HEAD_DIM_PAD,)
     tl.store(out_ptr + token * stride_o_tok + head * stride_o_head + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
