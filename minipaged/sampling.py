@@ -142,7 +142,8 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     remove = ranks >= k  # top-k
     probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
-    remove |= mass_before >= top_p[:, None]  # top-p (the first token is always kept)
+    # top-p (the first token is always kept); top_p = 1 is off: fp32 cumsums reach 1.0 early.
+    remove |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
     remove |= probs < (min_p[:, None] * probs[:, :1])  # min-p, relative to the top token
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))

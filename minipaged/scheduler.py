@@ -92,7 +92,7 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
+            # Keep the n that can_append approved: budget returned by a victim must not grow it.
             out.blocks_to_copy += bm.append_slots(seq, n)
             out.scheduled.append(ScheduledSeq(seq, n, seq.is_prefill))
             budget -= n
