@@ -19,7 +19,7 @@ Three kernels:
 
    With `num_splits > 1` (flash-decoding / split-KV) the key range is cut into `num_splits` parts
    handled by different programs, so that a batch of one long sequence still fills the GPU;
-   each part writes an unnormalised partial result plus its log-sum-exp.
+   each part writes its own softmax-normalised result plus its log-sum-exp.
 3. `reduce_splits_kernel`: merges those partial results, weighting each by its share of the
    softmax mass.
 
