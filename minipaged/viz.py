@@ -64,6 +64,8 @@ class BlockTableView:
     num_blocks: int
     cached: set[int] = field(default_factory=set)  # free blocks still holding a cached prefix
     title: str = ""
+    num_cached: Optional[int] = None  # when only the count is known (a trace snapshot)
+    color_keys: dict[str, int] = field(default_factory=dict)  # stable colour per sequence
 
     @property
     def ref_counts(self) -> Counter:
@@ -97,7 +99,7 @@ def view_from_block_manager(bm, names: Optional[Mapping[int, str]] = None,
     return BlockTableView(tables={label[s]: list(t) for s, t in bm.block_tables.items()},
                           num_tokens={label[s]: bm.num_slots[s] for s in bm.block_tables},
                           block_size=bm.block_size, num_blocks=bm.num_blocks, cached=cached,
-                          title=title)
+                          title=title, color_keys={label[s]: s for s in bm.block_tables})
 
 
 def view_from_trace(trace: Sequence[StepRecord], position: int, block_size: Optional[int] = None,
@@ -116,7 +118,8 @@ def view_from_trace(trace: Sequence[StepRecord], position: int, block_size: Opti
     return BlockTableView(tables={k: list(v) for k, v in rec.block_tables.items()},
                           num_tokens={k: tokens.get(k, 0) for k in rec.block_tables},
                           block_size=block_size, num_blocks=num_blocks,
-                          title=f"after step {rec.step}")
+                          title=f"after step {rec.step}", num_cached=rec.num_blocks_cached,
+                          color_keys={k: int(k) for k in rec.block_tables if k.isdigit()})
 
 
 def _as_view(source, step: Optional[int] = None, names=None) -> BlockTableView:
@@ -142,7 +145,7 @@ def plot_block_tables(source, step: Optional[int] = None, *, names=None,
     v = _as_view(source, step, names)
     names_all = list(v.tables)
     names_shown = names_all[:max_rows]
-    colour = {n: owner_color(i) for i, n in enumerate(names_all)}
+    colour = {n: owner_color(v.color_keys.get(n, i)) for i, n in enumerate(names_all)}
     refs = v.ref_counts
     bs = v.block_size
     width = max((len(v.tables[n]) for n in names_shown), default=1)
@@ -171,7 +174,9 @@ def plot_block_tables(source, step: Optional[int] = None, *, names=None,
                 ax1.add_patch(Rectangle((i, y + 0.1), 0.92, 0.8, fill=False, edgecolor=SHARED_COLOR,
                                         linewidth=2.2))
             label = f"{b}" + (f"\n×{refs[b]}" if shared else "")
-            ax1.text(i + 0.46, y + 0.5, label, ha="center", va="center", fontsize=8)
+            ax1.text(i + 0.46, y + 0.5, label, ha="center", va="center", fontsize=8,
+                     bbox=dict(facecolor="white", edgecolor="none", alpha=0.85, pad=1)
+                     if shared else None)
         ax1.text(-0.15, y + 0.5, f"{name}\n{v.num_tokens.get(name, 0)} tok", ha="right", va="center",
                  fontsize=8)
     ax1.set_xlim(-0.05, width)
@@ -210,7 +215,9 @@ def plot_block_tables(source, step: Optional[int] = None, *, names=None,
     used = len(owner)
     ax2.set_title(f"physical blocks {0}-{n_phys - 1} of {v.num_blocks}: {used} used"
                   + (f", {len(v.shared_blocks)} shared" if v.shared_blocks else "")
-                  + (f", {len(v.cached)} cached" if v.cached else ""), fontsize=10)
+                  + (f", {len(v.cached)} cached" if v.cached else "")
+                  + (f", {v.num_cached} cached (ids not recorded)" if v.num_cached else ""),
+                  fontsize=10)
     handles = [Patch(facecolor=SHARED_COLOR, hatch="//", label="shared (ref count > 1)"),
                Patch(facecolor=CACHED_COLOR, hatch="..", label="free, holds a cached prefix"),
                Patch(facecolor=FREE_COLOR, edgecolor="0.5", label="free")]
@@ -248,12 +255,15 @@ def plot_memory_waste(results, ax=None, include_free: bool = False, paper: bool 
             ax.barh(y, sh[c], left=left, color=CATEGORY_COLORS[c], edgecolor="white",
                     label=CATEGORY_LABELS[c] if y == 0 else None)
             left += sh[c]
-        ax.text(sh["token_states"] + 0.01 if sh["token_states"] < 0.15 else 0.01, y,
-                f"{sh['token_states']:.1%}", va="center", ha="left", fontsize=8,
-                color="black" if sh["token_states"] < 0.15 else "white", fontweight="bold")
+        small = sh["token_states"] < 0.15
+        ax.text(sh["token_states"] + 0.01 if small else 0.01, y, f"{sh['token_states']:.1%}",
+                va="center", ha="left", fontsize=8, color="black" if small else "white",
+                fontweight="bold",
+                bbox=dict(facecolor="white", edgecolor="none", pad=1) if small else None)
         key = "vLLM" if r.strategy == "paged" and r.block_size == 16 else r.label
         if paper and key in PAPER_TOKEN_STATE_SHARE:
             ax.plot(PAPER_TOKEN_STATE_SHARE[key], y, marker="D", color="black", markersize=5,
+                    linestyle="none",
                     label="paper's token-state share" if not any(
                         h.get_label() == "paper's token-state share" for h in ax.lines) else None)
     ax.set_yticks(range(len(results)), labels, fontsize=9)
@@ -277,11 +287,16 @@ def plot_waste_over_time(result, ax=None, title: Optional[str] = None):
         fig, ax = plt.subplots(figsize=(7, 2.8))
     else:
         fig = ax.figure
-    xs = [s.step for s in result.steps]
-    ys = [[getattr(s, c) / result.capacity for s in result.steps] for c in CATEGORIES]
-    ax.stackplot(xs, ys, colors=[CATEGORY_COLORS[c] for c in CATEGORIES],
-                 labels=[CATEGORY_LABELS[c] for c in CATEGORIES])
-    ax.set_xlim(0, max(xs, default=1))
+    # step i's state holds from i to i + 1: draw steps, not lines between them
+    xs = [s.step for s in result.steps] + [len(result.steps)]
+    bottom = [0.0] * len(xs)
+    for c in CATEGORIES:
+        ys = [getattr(s, c) / result.capacity for s in result.steps]
+        top = [b + y for b, y in zip(bottom, ys + ys[-1:])]
+        ax.fill_between(xs, bottom, top, step="post", color=CATEGORY_COLORS[c],
+                        label=CATEGORY_LABELS[c], linewidth=0)
+        bottom = top
+    ax.set_xlim(0, max(xs[-1], 1))
     ax.set_ylim(0, 1)
     ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     ax.set_xlabel("engine step")
@@ -591,7 +606,10 @@ def sampling_stages(logits, temperature: float = 1.0, top_k: int = 0, top_p: flo
 
 def plot_token_distributions(stages: Mapping[str, "object"], token_labels: Sequence[str],
                              top: int = 20, title: str = ""):
-    """One bar chart per stage over the `top` most likely raw tokens; masked tokens in grey."""
+    """One bar chart per stage over the `top` most likely raw tokens.
+
+    Dotted outlines: the raw probabilities; a red × marks a token the stage masked out.
+    """
     import torch
     names = list(stages)
     first = stages[names[0]]
@@ -601,14 +619,19 @@ def plot_token_distributions(stages: Mapping[str, "object"], token_labels: Seque
     for ax, name in zip(axes, names):
         p = stages[name]
         vals = [float(p[i]) for i in order]
+        raw = [float(first[i]) for i in order]
         kept = int((p > 0).sum())
-        colors = ["#2b8cbe" if v > 0 else "#cccccc" for v in vals]
-        ax.bar(range(len(order)), [max(v, 0.002) if v == 0 else v for v in vals], color=colors)
+        ax.bar(range(len(order)), raw, color="none", edgecolor="#bbbbbb", linestyle=":",
+               label="raw p" if ax is axes[0] else None)
+        ax.bar(range(len(order)), vals, color=["#2b8cbe" if v > 0 else "none" for v in vals])
+        for i, v in enumerate(vals):
+            if v == 0:
+                ax.text(i, 0, "×", ha="center", va="bottom", fontsize=8, color="#d7191c")
         ax.set_ylabel("p", fontsize=8)
         ent = float(-(p[p > 0] * p[p > 0].log()).sum())
         ax.set_title(f"{name}: {kept} tokens can be drawn, entropy {ent:.2f} nats", fontsize=9,
                      loc="left")
-        ax.set_ylim(0, max(max(vals), 1e-3) * 1.15)
+        ax.set_ylim(0, max(max(vals), max(raw), 1e-3) * 1.15)
     axes[-1].set_xticks(range(len(order)), [repr(token_labels[i])[1:-1] for i in order],
                         rotation=60, fontsize=7)
     if title:
