@@ -171,7 +171,8 @@ def fig_block_table():
     trace = llm.trace
     pos = first + 4
     return viz.plot_block_tables(trace, pos, max_physical=48,
-                                 title=f"3 requests sharing a cached prefix, step {trace[pos].step}")
+                                 title="3 requests sharing a cached prefix, "
+                                       f"step {trace[pos].step}")
 
 
 def fig_copy_on_write():

@@ -330,13 +330,15 @@ def paged_step_usages(workload, num_blocks: int, block_size: int, *, max_model_l
                       enable_chunked_prefill=True)
     for i, (p, o) in enumerate(zip(prompts, outputs)):
         if len(p) + o > max_model_len:
-            raise ValueError(f"request {i}: {len(p)} + {o} tokens exceed max_model_len={max_model_len}")
+            raise ValueError(f"request {i}: {len(p)} + {o} tokens exceed "
+                             f"max_model_len={max_model_len}")
         sched.add(Sequence(str(i), p, SamplingParams(max_tokens=o, ignore_eos=True, temperature=0)))
     placeholder = 0
     while sched.has_unfinished():
         out = sched.schedule()
         if out.is_empty:
-            raise RuntimeError("the scheduler made no progress: the cache is too small for a request")
+            raise RuntimeError("the scheduler made no progress: the cache is too small for a "
+                               "request")
         sampling = [s.seq for s in out.scheduled if s.samples]  # decided before computing
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
@@ -366,7 +368,8 @@ def simulate_paged(workload, num_blocks: int, block_size: int, *, max_model_len:
                        num_preemptions=sched.num_preemptions if sched else 0)
 
 
-def waste_step_from_usage(step: int, usage, num_running: int = 0, num_waiting: int = 0) -> WasteStep:
+def waste_step_from_usage(step: int, usage, num_running: int = 0,
+                          num_waiting: int = 0) -> WasteStep:
     """The five categories of one `BlockUsage` (paging has no reservation, no external frag.)."""
     bs = usage.block_size
     return WasteStep(step, token_states=usage.num_tokens_stored, reserved=0,

@@ -129,7 +129,8 @@ def tokens_in_cache(trace: Sequence[StepRecord], position: int) -> dict[str, int
         for rid in rec.preempted:
             tokens.pop(rid, None)
         for e in rec.scheduled:
-            tokens[e.request_id] = e.num_computed_before + e.num_prefill_tokens + e.num_decode_tokens
+            tokens[e.request_id] = (e.num_computed_before + e.num_prefill_tokens
+                                    + e.num_decode_tokens)
         for rid in rec.finished:
             tokens.pop(rid, None)
     return tokens

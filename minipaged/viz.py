@@ -77,7 +77,8 @@ class BlockTableView:
 
     def fill(self, name: str, logical: int) -> int:
         """Slots of logical block `logical` of `name` that hold a token."""
-        return max(0, min(self.block_size, self.num_tokens.get(name, 0) - logical * self.block_size))
+        filled = self.num_tokens.get(name, 0) - logical * self.block_size
+        return max(0, min(self.block_size, filled))
 
     @property
     def num_tokens_stored(self) -> int:
@@ -152,14 +153,15 @@ def plot_block_tables(source, step: Optional[int] = None, *, names=None,
     width = max(width, 1)
     used_ids = [b for t in v.tables.values() for b in t] + list(v.cached)
     if max_physical is None:
-        max_physical = min(v.num_blocks, max(32, physical_cols * math.ceil((max(used_ids, default=0) + 1)
-                                                                          / physical_cols)))
+        rows_used = math.ceil((max(used_ids, default=0) + 1) / physical_cols)
+        max_physical = min(v.num_blocks, max(32, physical_cols * rows_used))
     n_phys = min(v.num_blocks, max_physical)
     phys_rows = math.ceil(n_phys / physical_cols)
 
-    fig, (ax1, ax2) = plt.subplots(
-        1, 2, figsize=(min(4 + 0.55 * width, 9) + 4.5, max(2.6, 0.45 * max(len(names_shown), phys_rows) + 1.4)),
-        gridspec_kw={"width_ratios": [min(4 + 0.55 * width, 9), 4.5]})
+    left_w = min(4 + 0.55 * width, 9)
+    height = max(2.6, 0.45 * max(len(names_shown), phys_rows) + 1.4)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(left_w + 4.5, height),
+                                   gridspec_kw={"width_ratios": [left_w, 4.5]})
     # logical view
     for r, name in enumerate(names_shown):
         y = len(names_shown) - 1 - r
@@ -177,8 +179,8 @@ def plot_block_tables(source, step: Optional[int] = None, *, names=None,
             ax1.text(i + 0.46, y + 0.5, label, ha="center", va="center", fontsize=8,
                      bbox=dict(facecolor="white", edgecolor="none", alpha=0.85, pad=1)
                      if shared else None)
-        ax1.text(-0.15, y + 0.5, f"{name}\n{v.num_tokens.get(name, 0)} tok", ha="right", va="center",
-                 fontsize=8)
+        ax1.text(-0.15, y + 0.5, f"{name}\n{v.num_tokens.get(name, 0)} tok", ha="right",
+                 va="center", fontsize=8)
     ax1.set_xlim(-0.05, width)
     ax1.set_ylim(0, max(len(names_shown), 1))
     ax1.set_xticks([i + 0.46 for i in range(width)], [str(i) for i in range(width)], fontsize=8)
@@ -482,7 +484,8 @@ def plot_kv_utilization(trace: Sequence[StepRecord], ax=None, title: Optional[st
     ax.fill_between(xs, used, cached, color=CACHED_COLOR, alpha=0.9,
                     label="free, cached prefix", step="post")
     if trace and trace[0].usage is not None:
-        share = [r.usage.num_tokens_stored / (r.usage.num_blocks * r.usage.block_size) for r in trace]
+        share = [r.usage.num_tokens_stored / (r.usage.num_blocks * r.usage.block_size)
+                 for r in trace]
         ax.step(xs, share, where="post", color="navy", linewidth=0.8, label="slots holding tokens")
     pre = [i for i, r in enumerate(trace) if r.preempted]
     if pre:
@@ -555,8 +558,11 @@ def plot_kv_cache_size(models: Mapping[str, int], max_tokens: int = 131072,
         fig = ax.figure
     xs = [2 ** k for k in range(4, int(math.log2(max_tokens)) + 1)]
     for name, bpt in models.items():
-        ax.plot(xs, [x * bpt / 2 ** 30 for x in xs], "o-", markersize=3,
-                label=f"{name}: {bpt / 1024:.2f} KiB/token")
+        ys = [x * bpt / 2 ** 30 for x in xs]
+        ax.plot(xs, ys, "o-", markersize=3, label=f"{name}: {bpt / 1024:.2f} KiB/token")
+        ax.annotate(f"{ys[-1]:.2f} GiB at {xs[-1]:,}", (xs[-1], ys[-1]), textcoords="offset points",
+                    xytext=(-10, 0), ha="right", va="center", fontsize=7,
+                    bbox=dict(facecolor="white", edgecolor="none", alpha=0.8, pad=1))
     if budget_gib is not None:
         ax.axhline(budget_gib, color=CATEGORY_COLORS["internal_fragmentation"], linestyle="--",
                    label=f"KV memory available: {budget_gib:.2f} GiB")
@@ -662,6 +668,9 @@ def trace_explorer(trace: Sequence[StepRecord], start: Optional[int] = None):
     """
     if not trace:
         raise ValueError("the trace is empty: generate something first")
+    if trace[0].block_tables is None:
+        raise ValueError("this trace has no block tables: create the LLM with "
+                         "record_block_tables=True")
     start = len(trace) // 2 if start is None else start
     ids = trace_request_ids(trace)
     states = request_timeline(trace, ids)

@@ -1,4 +1,4 @@
-"""The accounting behind the lessons' pictures (minipaged/viz.py, the replay helpers in trace.py)."""
+"""The accounting behind the lessons' pictures (minipaged/viz.py; replay helpers in trace.py)."""
 import matplotlib
 
 matplotlib.use("Agg")
@@ -19,7 +19,8 @@ W, P, D, X, R, I, A, PAD = S.WAITING, S.PREFILL, S.DECODE, S.PREEMPTED, S.REQUEU
 
 def rec(step, scheduled, preempted=(), finished=()):
     return StepRecord(step=step, start_time=0.0, duration=0.0,
-                      scheduled=[ScheduledEntry(rid, 0, p, d, before) for rid, p, d, before in scheduled],
+                      scheduled=[ScheduledEntry(rid, 0, p, d, before)
+                                 for rid, p, d, before in scheduled],
                       preempted=list(preempted), finished=list(finished), num_waiting=0,
                       num_running=0, num_blocks_used=0, num_blocks_free=0, num_blocks_cached=0,
                       num_batched_tokens=0)
