@@ -20,8 +20,11 @@ client library is thread-safe); `/metrics` renders the registry in Prometheus' t
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
 from prometheus_client.parser import text_string_to_metric_families
+
+disable_created_metrics()  # no `*_created` timestamp series (vLLM turns them off too)
 
 PREFIX = "minipaged:"
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -45,7 +48,8 @@ class Metrics:
             return Counter(PREFIX + name, doc, labels, registry=r).labels(model_name)
 
         def histogram(name, doc, buckets):
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets,
+                             registry=r).labels(model_name)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -74,10 +78,16 @@ class Metrics:
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text -> {sample name: value}, summed over labels (enough for plots and tests).
 
-    Histograms appear as `<name>_count`, `<name>_sum` and `<name>_bucket` (the last summed over
-    buckets, so mostly useless; use `_sum / _count` for a mean)."""
+    Samples with labels other than `model_name` also appear under their labelled name, e.g.
+    `minipaged:request_success_total{finished_reason="abort"}`. Histograms appear as
+    `<name>_count` and `<name>_sum` (use `_sum / _count` for a mean) and per-bucket
+    `<name>_bucket{le="0.1"}` (cumulative counts)."""
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             values[s.name] = values.get(s.name, 0.0) + s.value
+            extra = {k: v for k, v in s.labels.items() if k != "model_name"}
+            if extra:
+                key = s.name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(extra.items())) + "}"
+                values[key] = values.get(key, 0.0) + s.value
     return values

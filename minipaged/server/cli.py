@@ -1,0 +1,202 @@
+"""`minipaged serve MODEL [flags]`: vLLM's `vllm serve` command line for minipaged. Lesson 07
+explains it.
+
+    minipaged serve stories260K --port 8000 --chat-template chat.jinja
+    minipaged serve stories260K --served-model-name tiny --api-key secret --host 0.0.0.0
+    minipaged serve dummy:qwen3-0.6b --max-model-len 4096 --gpu-memory-utilization 0.9
+
+The flags are vLLM's names; where vLLM also accepts the underscore spelling (`--api_key`,
+`--max_model_len`, ...) so does minipaged, so a course note's `vllm serve` line works as it is.
+
+`--host` defaults to 127.0.0.1: only this machine can connect. `--host 0.0.0.0` listens on every
+network interface, which is what a cloud box or a container needs for others to reach it (open the
+port in the firewall, and set an --api-key: anyone who can reach the port can use the model).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+DESCRIPTION = __doc__.split("\n\n")[0].replace("\n", " ")
+
+
+def _flag(p, name: str, *aliases: str, **kw):
+    """Add `--some-flag`, its vLLM spelling `--some_flag`, and any other aliases."""
+    names = [name]
+    underscored = "--" + name[2:].replace("-", "_")
+    if underscored != name:
+        names.append(underscored)
+    return p.add_argument(*names, *aliases, **kw)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="minipaged serve", description=DESCRIPTION,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("model", nargs="?", default="stories260K",
+                   help="stories260K, an HF directory or hub id, or dummy:<preset>")
+    p.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
+    s = p.add_argument_group("server")
+    _flag(s, "--served-model-name", nargs="+", default=None,
+          help="name(s) clients use in `model`; default: MODEL")
+    _flag(s, "--api-key", default=None,
+          help="require `Authorization: Bearer KEY` on /v1 routes (or set $MINIPAGED_API_KEY)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="interface to listen on; 0.0.0.0 = every interface (reachable from "
+                        "other machines)")
+    s.add_argument("--port", type=int, default=8000)
+    _flag(s, "--chat-template", default=None,
+          help="a Jinja chat template: a file path, or the template itself")
+    _flag(s, "--reasoning-parser", default=None,
+          help="split <think>...</think> into reasoning_content (e.g. deepseek_r1, qwen3)")
+    _flag(s, "--enable-reasoning", action="store_true",
+          help="accepted for old vLLM commands; --reasoning-parser alone is enough")
+    _flag(s, "--uvicorn-log-level", default="info",
+          choices=["critical", "error", "warning", "info", "debug", "trace"])
+    e = p.add_argument_group("engine")
+    _flag(e, "--max-model-len", type=int, default=None,
+          help="longest prompt + output in tokens; default: the model's max_position_embeddings")
+    _flag(e, "--max-num-seqs", type=int, default=256,
+          help="most sequences in one batch; more requests wait in the queue")
+    _flag(e, "--max-num-batched-tokens", type=int, default=None,
+          help="token budget of one step (prefill chunks + decodes)")
+    _flag(e, "--block-size", type=int, default=16, help="tokens per KV-cache block")
+    _flag(e, "--gpu-memory-utilization", type=float, default=0.9,
+          help="share of GPU memory for weights + activations + KV cache")
+    _flag(e, "--num-blocks", type=int, default=None,
+          help="KV-cache size in blocks (overrides the memory-based sizing)")
+    _flag(e, "--dtype", default="auto",
+          choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
+    _flag(e, "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+          help="reuse KV blocks of identical prompt prefixes")
+    _flag(e, "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    _flag(e, "--enforce-eager", action="store_true",
+          help="never replay decode steps from CUDA graphs (GPU only)")
+    _flag(e, "--tokenizer", default=None)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--device", default="auto")
+    _flag(e, "--attention-backend", default=None, choices=["torch_ref", "triton"])
+    c = p.add_argument_group("accepted for vLLM compatibility")
+    _flag(c, "--trust-remote-code", action="store_true",
+          help="not needed: minipaged implements the Llama family itself and runs no model code")
+    _flag(c, "--tensor-parallel-size", "-tp", type=int, default=1,
+          help="minipaged runs on one device; sizes above 1 are ignored with a note")
+    return p
+
+
+def compat_notes(a) -> list[str]:
+    notes = []
+    if a.trust_remote_code:
+        notes.append("--trust-remote-code: not needed here. vLLM passes it to transformers to run "
+                     "Python code shipped with a model; minipaged implements the Llama family "
+                     "(Llama, Mistral, Qwen2, Qwen3) itself and never runs code from a model "
+                     "folder.")
+    if a.tensor_parallel_size != 1:
+        notes.append(f"--tensor-parallel-size {a.tensor_parallel_size}: ignored, minipaged runs on "
+                     f"a single device. vLLM would shard every weight matrix across "
+                     f"{a.tensor_parallel_size} GPUs and all-reduce the partial results after the "
+                     "attention and MLP blocks of each layer.")
+    if a.enable_reasoning:
+        notes.append("--enable-reasoning: not needed (newer vLLM dropped it too); "
+                     "--reasoning-parser turns reasoning on.")
+    return notes
+
+
+def load_chat_template(value: Optional[str]) -> Optional[str]:
+    """A file path or a literal Jinja template (vLLM's rule); a missing file is an error."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if any(ch in value for ch in "{}\n"):
+        return value  # looks like a template, not a path
+    raise ValueError(f"--chat-template {value!r}: no such file, and it does not look like a "
+                     "Jinja template (no '{{', '{%'). Give a path to a .jinja file or the "
+                     "template text.")
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    a = make_parser().parse_args(argv)
+    a.model = a.model_flag or a.model
+    a.api_key = a.api_key or os.environ.get("MINIPAGED_API_KEY") or None
+    return a
+
+
+def build_app_from_args(a: argparse.Namespace):
+    """Load the model, build the engine, the async engine, the metrics and the app."""
+    from minipaged.config import EngineConfig
+    from minipaged.engine import LLMEngine
+    from minipaged.server.api_server import build_app
+    from minipaged.server.async_engine import AsyncLLMEngine
+    from minipaged.server.metrics import Metrics
+    from minipaged.server.reasoning import get_reasoning_parser
+
+    parser = get_reasoning_parser(a.reasoning_parser) if a.reasoning_parser else None
+    template = load_chat_template(a.chat_template)
+    names = a.served_model_name or [a.model]
+    config = EngineConfig(
+        model=a.model, tokenizer=a.tokenizer, dtype=a.dtype, max_model_len=a.max_model_len,
+        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+        block_size=a.block_size, gpu_memory_utilization=a.gpu_memory_utilization,
+        num_blocks=a.num_blocks, enable_prefix_caching=a.enable_prefix_caching,
+        enable_chunked_prefill=a.enable_chunked_prefill, seed=a.seed, device=a.device,
+        attention_backend=a.attention_backend, enforce_eager=a.enforce_eager)
+    engine = LLMEngine(config)
+    async_engine = AsyncLLMEngine(engine, Metrics(names[0]))
+    root = str(engine.source.path) if engine.source.path is not None else a.model
+    return build_app(async_engine, names, api_key=a.api_key, chat_template=template,
+                     reasoning_parser=parser, model_root=root)
+
+
+def banner(a, app) -> str:
+    eng = app.state.engine.engine
+    cfg = eng.config
+    url = f"http://{'127.0.0.1' if a.host in ('0.0.0.0', '::') else a.host}:{a.port}"
+    has_template = bool(app.state.serving.chat_template or
+                        getattr(eng.tokenizer, "chat_template", None))
+    names = ", ".join(repr(n) for n in app.state.serving.served_model_names)
+    key = "required on /v1 routes" if a.api_key else "none (anyone who reaches the port can use it)"
+    template = "yes" if has_template else "none (chat returns 400; completions work)"
+    lines = [
+        f"minipaged serve: {a.model} as {names} on {eng.device} ({eng.dtype}, "
+        f"{type(eng.backend).__name__})",
+        f"  KV cache: {eng.num_blocks} blocks x {cfg.block_size} tokens = "
+        f"{eng.num_blocks * cfg.block_size} token slots; max_model_len {cfg.max_model_len}, "
+        f"max_num_seqs {cfg.max_num_seqs}, max_num_batched_tokens {cfg.max_num_batched_tokens}",
+        f"  OpenAI API: {url}/v1   Swagger UI: {url}/docs   metrics: {url}/metrics",
+        f"  API key: {key};  chat template: {template}",
+    ]
+    if a.host in ("0.0.0.0", "::"):
+        lines.append(f"  listening on every interface ({a.host}): other machines can connect "
+                     "through this machine's address.")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    a = parse_args(argv)
+    for note in compat_notes(a):
+        print(f"note: {note}", file=sys.stderr)
+    try:
+        app = build_app_from_args(a)
+    except (ValueError, FileNotFoundError) as e:  # the config's teaching errors
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    import uvicorn
+    # Two busy threads share the GIL here: the engine thread (whose many small torch calls each
+    # release and re-take it) and the event loop. With CPython's default 5 ms switch interval the
+    # engine thread can wait that long for every re-take while the loop serialises chunks; 1 ms
+    # made steps ~1.4x faster under streaming load on 2 CPU cores.
+    sys.setswitchinterval(0.001)
+    print(banner(a, app), flush=True)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.uvicorn_log_level,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,477 @@
+"""The OpenAI-compatible server (minipaged/server/, lesson 07) through the official `openai` client.
+
+A real uvicorn serves stories260K on 127.0.0.1 (a free port) in a background thread, built from
+`minipaged serve` arguments, so the tests can look inside its engine (block manager, scheduler)
+as well as at /metrics.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from minipaged.server.cli import build_app_from_args, load_chat_template, main, parse_args
+from minipaged.server.metrics import parse_metrics
+from minipaged.server.reasoning import get_reasoning_parser
+
+KEY = "test-key"
+# stories260K is a base model without a chat template: this one just glues the messages together
+# ("<s> Once upon a time": the space makes sentencepiece produce "▁Once", as for a plain prompt).
+TEMPLATE = "{{ bos_token }}{% for m in messages %} {{ m['content'] }}{% endfor %}"
+PROMPT = "Once upon a time"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """`minipaged serve ARGS` inside this process: uvicorn in a daemon thread."""
+
+    def __init__(self, *argv: str):
+        self.port = _free_port()
+        self.app = build_app_from_args(parse_args([*argv, "--port", str(self.port)]))
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.05)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def engine(self):  # the LLMEngine
+        return self.app.state.engine.engine
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(self.url + "/metrics").text)
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Until the engine has no requests and every KV block is free again."""
+        eng, deadline = self.engine, time.time() + timeout
+        while True:
+            idle = (not eng.has_unfinished_requests() and not self.app.state.engine._tracked
+                    and eng.block_manager.num_free_blocks == eng.block_manager.num_blocks)
+            if idle or time.time() > deadline:
+                break
+            time.sleep(0.02)
+        assert idle, (f"not idle: {eng.get_num_unfinished_requests()} requests, "
+                      f"{eng.block_manager.num_blocks - eng.block_manager.num_free_blocks} blocks used")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerThread("stories260K", "--num-blocks", "512", "--max-num-seqs", "32", "--api_key", KEY,
+                     "--chat-template", TEMPLATE, "--device", "cpu", "--uvicorn-log-level", "warning")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    from minipaged import LLM
+    return LLM("stories260K", num_blocks=64, device="cpu")
+
+
+# --- the basics --------------------------------------------------------------------------------
+def test_list_models(client, server):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["stories260K"]
+    assert models[0].model_extra["max_model_len"] == server.engine.config.max_model_len == 512
+
+
+def test_greedy_completion_equals_offline_llm(client, offline):
+    from minipaged import SamplingParams
+    expected = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=40),
+                                use_tqdm=False)[0].outputs[0]
+    r = client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=40, temperature=0)
+    assert r.choices[0].text == expected.text
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 40, 45)
+    # token ids work as the prompt too ([1, 403, 407, 261, 378] is "<s> Once upon a time")
+    r2 = client.completions.create(model="stories260K", prompt=[1, 403, 407, 261, 378],
+                                   max_tokens=40, temperature=0)
+    assert r2.choices[0].text == expected.text
+
+
+def test_chat_through_template(client):
+    # The template renders "<s>Once upon a time": the same tokens as the completion prompt.
+    r = client.chat.completions.create(model="stories260K", temperature=0, max_tokens=20,
+                                       messages=[{"role": "user", "content": PROMPT}])
+    c = client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=20, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == c.choices[0].text
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 20
+
+
+def test_streaming_equals_non_streaming(client):
+    full = client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=30,
+                                     temperature=0).choices[0].text
+    chunks = list(client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=30,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == full
+    assert len(text_chunks) == 30  # one event per generated token
+    assert text_chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 30
+
+    chat = list(client.chat.completions.create(
+        model="stories260K", messages=[{"role": "user", "content": PROMPT}], max_tokens=30,
+        temperature=0, stream=True))
+    assert chat[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chat) == full
+    assert chat[-1].choices[0].finish_reason == "length"
+
+
+def test_streaming_raw_sse_ends_with_done(server):
+    with httpx.stream("POST", server.url + "/v1/completions",
+                      headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": PROMPT, "max_tokens": 3, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]" and len(events) == 4
+
+
+def test_n_and_seed(client, server):
+    def sample(**kw):
+        r = client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=16,
+                                      temperature=1.0, **kw)
+        return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+
+    a = sample(n=3, seed=7)
+    assert len(a) == 3 and len(set(a)) > 1  # seeds 7, 8, 9: different samples
+    assert sample(n=3, seed=7) == a  # ... and reproducible
+    assert sample(seed=8) == [a[1]]  # choice i of seed s is request seed s + i
+    # a list of prompts times n: choice index = prompt index * n + sample index
+    r = client.completions.create(model="stories260K", prompt=[PROMPT, "Tom had a big red ball"],
+                                  n=2, max_tokens=8, temperature=0)
+    texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    assert len(texts) == 4 and texts[0] == texts[1] != texts[2] == texts[3]
+    assert texts[0] == ", there was a little girl"
+    n_tom = len(server.engine.tokenize("Tom had a big red ball"))
+    assert r.usage.prompt_tokens == 5 + n_tom  # each prompt counts once, however many samples
+    assert r.usage.completion_tokens == 4 * 8
+    # n > 1 while streaming: every choice index appears and finishes
+    chunks = list(client.chat.completions.create(
+        model="stories260K", messages=[{"role": "user", "content": PROMPT}], n=2, seed=1,
+        max_tokens=8, stream=True))
+    finished = {c.choices[0].index for c in chunks if c.choices[0].finish_reason}
+    assert finished == {0, 1}
+
+
+def test_sampling_fields_reach_the_engine(client):
+    greedy = client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=20,
+                                       temperature=0).choices[0].text
+    top1 = client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=20,
+                                     temperature=1.5, extra_body={"top_k": 1}).choices[0].text
+    assert top1 == greedy  # top_k=1 leaves only the argmax
+    # greedy text has " girl" in it (", there was a little girl named Lily...")
+    stopped = client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=40,
+                                        temperature=0, stop=[" girl"]).choices[0]
+    assert stopped.finish_reason == "stop" and greedy.startswith(stopped.text)
+    assert " girl" not in stopped.text and stopped.text.endswith("little")
+    streamed = list(client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=40,
+                                              temperature=0, stop=[" girl"], stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == stopped.text
+    # repetition / presence / frequency penalties change the greedy continuation
+    penalised = client.completions.create(
+        model="stories260K", prompt=PROMPT, max_tokens=40, temperature=0, frequency_penalty=2.0,
+        presence_penalty=1.0, extra_body={"repetition_penalty": 1.5}).choices[0].text
+    assert penalised != greedy
+    # logprobs: one entry per token, the tokens spell the text
+    r = client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=10,
+                                  temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text and len(lp.token_logprobs) == 10
+    assert all(len(t) >= 3 for t in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs)
+    chat = client.chat.completions.create(model="stories260K", temperature=0, max_tokens=5,
+                                          messages=[{"role": "user", "content": PROMPT}],
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].token == t.token for t in content)
+
+
+# --- errors --------------------------------------------------------------------------------------
+def test_api_key(server):
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.models.list()
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": "x"}).status_code == 401
+    assert httpx.get(server.url + "/health").status_code == 200  # open, no key
+
+
+def test_errors_in_openai_shape(client, server):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt=PROMPT)
+    assert e.value.body["param"] == "model" and "gpt-4" in e.value.body["message"]
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="stories260K", prompt=[300] * 600, max_tokens=5)
+    msg = e.value.body["message"]
+    assert "600" in msg and "512" in msg and "max_model_len" in msg
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="stories260K", prompt=[300] * 500, max_tokens=20)
+    assert "520" in e.value.body["message"] and "at most 12" in e.value.body["message"]
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="stories260K", prompt=PROMPT, temperature=-1)
+    assert e.value.body["param"] == "temperature"
+
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    r = httpx.post(server.url + "/v1/completions", headers=headers, content=b"{not json")
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/chat/completions", headers=headers,
+                   json={"messages": "hello"})
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+    # none of that disturbed the engine
+    server.wait_idle()
+    assert client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=3,
+                                     temperature=0).choices[0].text == ", there was"
+
+
+# --- disconnects and load ------------------------------------------------------------------------
+@pytest.fixture
+def slow_engine(server, monkeypatch):
+    """Every step takes >= 10 ms, so a 500-token request needs >= 5 s: a disconnect after a few
+    tokens cannot lose the race against the request simply finishing."""
+    step = server.engine.step
+
+    def slow_step():
+        time.sleep(0.01)
+        return step()
+
+    server.wait_idle()
+    monkeypatch.setattr(server.engine, "step", slow_step)
+    return server
+
+
+ABORTED = 'minipaged:request_success_total{finished_reason="abort"}'
+
+
+def test_disconnect_mid_stream_frees_blocks(slow_engine):
+    server = slow_engine
+    before = server.metrics()
+    body = {"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]  # three events and their blank lines
+        assert got[0].startswith("data: ")
+        eng = server.engine
+        assert eng.has_unfinished_requests()
+        assert eng.block_manager.num_free_blocks < eng.block_manager.num_blocks
+    # the connection is closed here, long before 500 tokens
+    server.wait_idle()
+    m = server.metrics()
+    assert m["minipaged:kv_cache_blocks_used"] == 0 and m["minipaged:num_requests_running"] == 0
+    assert m.get(ABORTED) == before.get(ABORTED, 0) + 1
+    assert m["minipaged:generation_tokens_total"] - before["minipaged:generation_tokens_total"] < 100
+
+
+def test_disconnect_while_waiting_for_a_full_response(slow_engine):
+    server = slow_engine
+    before = server.metrics()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", timeout=0.3,
+                   headers={"Authorization": f"Bearer {KEY}"},
+                   json={"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True})
+    server.wait_idle()
+    assert server.metrics()[ABORTED] == before.get(ABORTED, 0) + 1
+
+
+def test_128_concurrent_streams(server):
+    server.wait_idle()
+    before = server.metrics()
+    rng = random.Random(0)
+    jobs = [(rng.choice(["Once upon a time", "Tom had a big red ball", "The cat saw a bird",
+                         "Lily and Tom were friends"]), rng.randint(4, 24)) for _ in range(128)]
+
+    async def one(aclient, prompt, max_tokens):
+        stream = await aclient.completions.create(
+            model="stories260K", prompt=prompt, max_tokens=max_tokens, temperature=0.8,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        text, usage, finish = "", None, None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage:
+                usage = chunk.usage
+        return usage.completion_tokens, finish
+
+    async def burst():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY,
+                                      max_retries=0, timeout=60) as aclient:
+            return await asyncio.gather(*(one(aclient, p, m) for p, m in jobs),
+                                        return_exceptions=True)
+
+    first_step = server.engine._step_counter
+    results = asyncio.run(burst())
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors[:3]
+    assert [r[0] for r in results] == [m for _, m in jobs]
+    assert all(r[1] == "length" for r in results)
+    server.wait_idle()
+    after = server.metrics()
+    assert after["minipaged:generation_tokens_total"] - before["minipaged:generation_tokens_total"] \
+        == sum(m for _, m in jobs)
+    assert after["minipaged:kv_cache_blocks_used"] == 0
+    assert after["minipaged:time_to_first_token_seconds_count"] >= 128
+    # --max-num-seqs 32: never more than 32 sequences in a step; the rest queued
+    steps = [r for r in server.engine.trace if r.step >= first_step]
+    assert max(r.num_running for r in steps) == 32
+    assert max(r.num_waiting for r in steps) > 0
+
+
+def test_engine_crash_fails_its_requests():
+    from minipaged import EngineConfig, LLMEngine, SamplingParams
+    from minipaged.server.async_engine import AsyncLLMEngine, EngineDeadError
+    engine = LLMEngine(EngineConfig(num_blocks=32, device="cpu"))
+
+    def broken_step():
+        raise RuntimeError("boom")
+
+    engine.step = broken_step
+    async_engine = AsyncLLMEngine(engine)
+    async_engine.start()
+
+    async def run():
+        stream = await async_engine.submit([PROMPT], [SamplingParams(max_tokens=4)])
+        with pytest.raises(EngineDeadError, match="boom"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):  # later requests are refused at once
+            await async_engine.submit([PROMPT], [SamplingParams(max_tokens=4)])
+
+    asyncio.run(run())
+    assert not async_engine.is_running
+
+
+def test_metrics_and_health(server):
+    r = httpx.get(server.url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    m = parse_metrics(r.text)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_blocks_used",
+                 "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
+                 "time_to_first_token_seconds_count", "inter_token_latency_seconds_count"):
+        assert "minipaged:" + name in m
+    assert m["minipaged:kv_cache_blocks_total"] == 512
+    assert m["minipaged:generation_tokens_total"] > 0
+
+
+def test_docs_and_openapi(server):
+    r = httpx.get(server.url + "/docs")
+    assert r.status_code == 200 and "text/html" in r.headers["content-type"]
+    assert "swagger" in r.text.lower()
+    paths = httpx.get(server.url + "/openapi.json").json()["paths"]
+    assert {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health",
+            "/metrics"} <= set(paths)
+
+
+# --- reasoning ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
+def test_reasoning_parser_on_a_synthetic_stream(name):
+    parser_cls = get_reasoning_parser(name)
+    text = "<think>Two plus two: 2+2 = 4. Tags like </th are fine.</think>\n\nThe answer is 4."
+    want = ("Two plus two: 2+2 = 4. Tags like </th are fine.", "\n\nThe answer is 4.")
+    assert parser_cls().extract(text) == want
+    rng = random.Random(0)
+    for _ in range(200):  # cut the stream anywhere, tags included
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 12)))
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        p, reasoning, content = parser_cls(), "", ""
+        for piece in pieces:
+            r, c = p.feed(piece)
+            reasoning, content = reasoning + r, content + c
+        r, c = p.flush()
+        assert (reasoning + r, content + c) == want
+    # one character at a time, and no tag ever leaks into a field
+    p, out = parser_cls(), []
+    for ch in text:
+        out.append(p.feed(ch))
+    assert not any("<" in r + c and "think" in r + c for r, c in out)
+
+
+def test_reasoning_parser_rules():
+    r1, qwen3 = get_reasoning_parser("deepseek_r1"), get_reasoning_parser("qwen3")
+    # R1's template opens <think> in the prompt: the output starts inside the reasoning
+    assert r1().extract("thinking...</think>answer") == ("thinking...", "answer")
+    assert r1().extract("ran out of tokens while thinking") == ("ran out of tokens while thinking", None)
+    assert qwen3().extract("no thinking here") == (None, "no thinking here")
+    with pytest.raises(ValueError, match="deepseek_r1"):
+        get_reasoning_parser("nope")
+
+
+def test_reasoning_server_and_missing_template():
+    s = ServerThread("stories260K", "--num-blocks", "64", "--reasoning-parser", "deepseek_r1",
+                     "--served-model-name", "tiny", "--device", "cpu",
+                     "--uvicorn-log-level", "warning")
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": PROMPT}]
+        with pytest.raises(openai.BadRequestError) as e:  # stories260K has no chat template
+            client.chat.completions.create(model="tiny", messages=messages)
+        assert "chat template" in e.value.body["message"]
+        assert "--chat-template" in e.value.body["message"]
+        # a template in the request works; no </think> in a story, so R1 calls it all reasoning
+        kw = dict(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                  extra_body={"chat_template": TEMPLATE})
+        msg = client.chat.completions.create(**kw).choices[0].message
+        assert msg.content is None and msg.model_extra["reasoning_content"].startswith(", there was")
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        streamed = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or ""
+                           for c in chunks)
+        assert streamed == msg.model_extra["reasoning_content"]
+    finally:
+        s.stop()
+
+
+# --- the command line -----------------------------------------------------------------------------
+def test_cli_flags_and_teaching_errors(tmp_path, capsys):
+    a = parse_args(["stories260K", "--max_model_len", "256", "--api_key", "k", "--served_model_name",
+                    "a", "b", "--no-enable-prefix-caching", "--tensor_parallel_size", "2",
+                    "--trust_remote_code", "--host", "0.0.0.0"])
+    assert (a.max_model_len, a.api_key, a.served_model_name) == (256, "k", ["a", "b"])
+    assert a.enable_prefix_caching is False and a.tensor_parallel_size == 2 and a.host == "0.0.0.0"
+    assert parse_args([]).host == "127.0.0.1" and parse_args([]).model == "stories260K"
+    f = tmp_path / "t.jinja"
+    f.write_text(TEMPLATE)
+    assert load_chat_template(str(f)) == TEMPLATE == load_chat_template(TEMPLATE)
+    with pytest.raises(ValueError, match="no such file"):
+        load_chat_template("missing.jinja")
+    # the deployment note's failure: max_model_len above max_position_embeddings
+    assert main(["stories260K", "--max-model-len", "4096", "--device", "cpu", "-tp", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "4096" in err and "512" in err and "single device" in err
+    # a KV cache too small for one max_model_len sequence
+    assert main(["stories260K", "--num-blocks", "8", "--device", "cpu"]) == 1
+    assert "largest max_model_len that fits is 128" in capsys.readouterr().err
