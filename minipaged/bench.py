@@ -249,7 +249,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
             limit = args.hf_sequential_max_requests if b == "hf-sequential" else None
             limit = limit or args.hf_max_requests
             sub = wl.subset(limit) if limit and limit < len(wl.prompts) else wl
-            results.append(run_hf(b, hf_model, sub, args.hf_batch_size, sub is not wl))
+            try:
+                results.append(run_hf(b, hf_model, sub, args.hf_batch_size, sub is not wl))
+            except Exception as e:  # one baseline failing must not lose the others' numbers
+                print(f"{b}: failed ({type(e).__name__}: {e})", flush=True)
+                continue
             print(f"{b}: {results[-1].tokens_per_sec:,.0f} tok/s", flush=True)
     table = format_table(results)
     print(table)

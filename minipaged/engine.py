@@ -102,11 +102,12 @@ class LLMEngine:
         return ids
 
     def _profile_peak_memory(self) -> int:
-        """CUDA: peak bytes of weights + one forward at max_num_batched_tokens (no KV cache yet)."""
+        """CUDA: peak activation bytes of one forward at max_num_batched_tokens (no KV cache yet)."""
         from minipaged.attention import AttentionMetadata
         n = self.config.max_num_batched_tokens
         dev = self.device
         torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
         bs = self.config.block_size
         blocks = -(-n // bs)
         cfg = self.model_config
@@ -124,7 +125,7 @@ class LLMEngine:
                                 torch.arange(n, device=dev) % self.config.max_model_len, kv, meta)
             self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
         torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev) - kv.numel() * kv.element_size()
+        peak = torch.cuda.max_memory_allocated(dev) - before - kv.numel() * kv.element_size()
         del kv, hidden
         torch.cuda.empty_cache()
         return peak

@@ -36,7 +36,8 @@ def determine_num_blocks(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch
                          device: torch.device, profile: Optional[Callable[[], int]] = None) -> int:
     """Number of blocks the cache gets; raises if one `max_model_len` sequence does not fit.
 
-    `profile()` (CUDA only) runs a dummy forward at the largest step and returns peak bytes used.
+    `profile()` (CUDA only) runs a dummy forward at the largest step and returns the peak bytes of
+    activations it needed on top of what was allocated before.
     """
     per_block = block_bytes(model_cfg, cfg.block_size, dtype)
     if cfg.num_blocks is not None:
@@ -46,12 +47,14 @@ def determine_num_blocks(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch
         available, source = int(cfg.kv_cache_memory), f"kv_cache_memory={cfg.kv_cache_memory}"
         num_blocks = available // per_block
     elif device.type == "cuda":
+        activations = profile() if profile is not None else 0
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        peak = profile() if profile is not None else torch.cuda.max_memory_allocated(device)
-        other = total - free - torch.cuda.memory_reserved(device)  # other processes on the GPU
-        available = int(total * cfg.gpu_memory_utilization) - peak - max(other, 0)
+        in_use = total - free  # our weights, and anything else already on the GPU
+        available = int(total * cfg.gpu_memory_utilization) - in_use - activations
         source = (f"gpu_memory_utilization={cfg.gpu_memory_utilization} of {total / GiB:.2f} GiB, "
-                  f"minus {peak / GiB:.2f} GiB for weights and activations")
+                  f"minus {in_use / GiB:.2f} GiB already in use (weights, other engines or "
+                  f"processes) and {activations / GiB:.2f} GiB peak activations")
         num_blocks = max(available, 0) // per_block
     else:
         want = cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size)

@@ -16,6 +16,8 @@ samples nothing).
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from minipaged.attention import AttentionBackend, AttentionMetadata
@@ -56,17 +58,25 @@ class ModelRunner:
             seq, n = s.seq, s.num_new_tokens
             start = seq.num_computed_tokens
             table = self.block_manager.get_block_table(seq)
-            input_ids += seq.token_ids[start:start + n]
-            pos = range(start, start + n)
-            positions += pos
-            slot_mapping += [table[p // bs] * bs + p % bs for p in pos]
+            if n == 1:  # decode: the common case, kept cheap
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slot_mapping.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids += seq.token_ids[start:start + n]
+                pos = range(start, start + n)
+                positions += pos
+                slot_mapping += [table[p // bs] * bs + p % bs for p in pos]
             query_lens.append(n)
             context_lens.append(start + n)
             tables.append(table)
             if s.samples:
                 sample_rows.append(len(input_ids) - 1)
-        max_blocks = max(len(t) for t in tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        # Block tables, padded with 0: one flat list scattered into place (cheap for 256 sequences).
+        lens = torch.tensor([len(t) for t in tables])
+        padded = torch.zeros((len(tables), int(lens.max())), dtype=torch.int32)
+        padded[torch.arange(padded.shape[1])[None, :] < lens[:, None]] = torch.tensor(
+            list(itertools.chain.from_iterable(tables)), dtype=torch.int32)
         cu = [0]
         for n in query_lens:
             cu.append(cu[-1] + n)
@@ -77,7 +87,7 @@ class ModelRunner:
 
         metadata = AttentionMetadata(
             slot_mapping=tensor(slot_mapping, torch.int64),
-            block_tables=tensor(padded, torch.int32),
+            block_tables=padded.to(dev, non_blocking=True),
             context_lens=tensor(context_lens, torch.int32),
             cu_seqlens_q=tensor(cu, torch.int32),
             query_lens=query_lens,

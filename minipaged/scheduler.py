@@ -30,11 +30,7 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens computed for it this step (a prefill chunk, or 1 for decode)
     is_prefill: bool  # more than the newest token (prompt, chunk, or recompute)
-
-    @property
-    def samples(self) -> bool:
-        """Does this step reach the end of the sequence's known tokens (so it samples a token)?"""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    samples: bool  # this step reaches the sequence's last known token, so it samples the next
 
 
 @dataclass
@@ -94,7 +90,8 @@ class Scheduler:
                 continue
             # Keep the n that can_append approved: budget returned by a victim must not grow it.
             out.blocks_to_copy += bm.append_slots(seq, n)
-            out.scheduled.append(ScheduledSeq(seq, n, seq.is_prefill))
+            out.scheduled.append(ScheduledSeq(seq, n, seq.is_prefill,
+                                              seq.num_computed_tokens + n == seq.num_tokens))
             budget -= n
 
         # 3: admit waiting sequences (not in a step that had to preempt: memory is short).
@@ -112,7 +109,7 @@ class Scheduler:
             bm.allocate(seq, computed_blocks, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n, True))
+            out.scheduled.append(ScheduledSeq(seq, n, True, seq.num_computed_tokens + n == seq.num_tokens))
             budget -= n
         return out
 

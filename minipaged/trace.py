@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 from minipaged.block_manager import BlockUsage
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledEntry:
     request_id: str
     seq_id: int

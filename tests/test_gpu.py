@@ -33,10 +33,13 @@ def _prompts(n, vocab, seed):
 
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_stories260k_fp32_parity_on_gpu(enforce_eager):
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()  # engines of earlier tests hold GPU memory until collected
     hf = load_hf_model(str(resolve_builtin("stories260K")), torch.float32, "cuda")
     prompts = _prompts(48, 512, 0)
     llm = LLM("stories260K", device="cuda", block_size=16, max_num_seqs=64,
-              enforce_eager=enforce_eager, gpu_memory_utilization=0.3)
+              enforce_eager=enforce_eager, gpu_memory_utilization=0.05)
     assert llm.engine.backend.name == "triton"
     assert (llm.engine.model_runner.graph_runner is None) == enforce_eager
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
@@ -52,7 +55,7 @@ def test_graphs_equal_eager_bf16_qwen3(tmp_path):
     res = []
     for eager in (True, False):
         llm = LLM(str(tmp_path / "q3"), dtype="bfloat16", device="cuda", max_num_seqs=48,
-                  enforce_eager=eager, gpu_memory_utilization=0.3)
+                  enforce_eager=eager, num_blocks=512)
         res.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
         del llm
     assert res[0] == res[1]

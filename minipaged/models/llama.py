@@ -35,7 +35,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype in (torch.float32, torch.float64):  # one fused op, bit-identical to the below
+        if x.dtype in (torch.float32, torch.float64) or x.is_cuda:
+            # One fused op. In fp32/fp64 it is bit-identical to the lines below; in bf16/fp16 it
+            # keeps the normalised value in fp32 until after the weight (HF rounds it first), a
+            # rounding-level difference that saves five kernels per norm on the GPU.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
