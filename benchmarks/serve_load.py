@@ -268,7 +268,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--vocab-size", type=int, default=None, help="default: from the model config")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--warmup", type=int, default=4, help="requests sent before measuring")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="requests (of at most 16 tokens) sent at once before measuring, so "
+                         "first-use costs (Triton JIT, CUDA graphs, allocator) stay out of the "
+                         "numbers; default: the largest concurrency level")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args(argv)
 
@@ -292,9 +295,10 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{len(wl.prompts)} requests, {wl.num_prompt_tokens} prompt tokens, "
               f"{sum(wl.max_tokens)} output tokens per level; {platform.machine()}, "
               f"{os.cpu_count()} CPUs", flush=True)
-        if a.warmup:
-            asyncio.run(run_level(url, headers, name, wl.prompts[:a.warmup],
-                                  [min(m, 8) for m in wl.max_tokens[:a.warmup]], a.warmup,
+        warmup = min(len(wl.prompts), max(levels_c) if a.warmup is None else a.warmup)
+        if warmup:
+            asyncio.run(run_level(url, headers, name, wl.prompts[:warmup],
+                                  [min(m, 16) for m in wl.max_tokens[:warmup]], warmup,
                                   a.temperature))
         levels = []
         for c in levels_c:
