@@ -301,7 +301,7 @@ def test_disconnect_while_waiting_for_a_full_response(slow_engine):
     server = slow_engine
     before = server.metrics()
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", timeout=0.3,
+        httpx.post(server.url + "/v1/completions", timeout=httpx.Timeout(10.0, read=0.3),
                    headers={"Authorization": f"Bearer {KEY}"},
                    json={"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True})
     server.wait_idle()
