@@ -11,11 +11,30 @@ lessons can put them side by side with minipaged.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """Silence transformers' per-call warning about eos_token_id=-1 (our way to ignore EOS)."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+    level = hf_logging.get_verbosity()
+    cb_logger = logging.getLogger("ContinuousBatchingLogger")  # HF continuous batching's own
+    cb_level = cb_logger.level
+    hf_logging.set_verbosity_error()
+    cb_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        cb_logger.setLevel(cb_level)
 
 
 @dataclass
@@ -49,6 +68,7 @@ def _gen_kwargs(max_new_tokens: int, ignore_eos: bool, pad_token_id: int) -> dic
     return kw
 
 
+@quiet_transformers()
 @torch.inference_mode()
 def hf_sequential(model, prompts: list[list[int]], max_new_tokens: list[int],
                   ignore_eos: bool = True) -> BaselineResult:
@@ -64,6 +84,7 @@ def hf_sequential(model, prompts: list[list[int]], max_new_tokens: list[int],
     return BaselineResult("hf-sequential", outs, time.perf_counter() - t0)
 
 
+@quiet_transformers()
 @torch.inference_mode()
 def hf_static(model, prompts: list[list[int]], max_new_tokens: list[int], batch_size: int = 64,
               ignore_eos: bool = True) -> BaselineResult:
@@ -90,6 +111,7 @@ def hf_static(model, prompts: list[list[int]], max_new_tokens: list[int], batch_
                           padded_tokens=padded)
 
 
+@quiet_transformers()
 @torch.inference_mode()
 def hf_continuous(model, prompts: list[list[int]], max_new_tokens: list[int],
                   ignore_eos: bool = True, max_batch_tokens: int = 2048,
