@@ -3,6 +3,7 @@
 Read it top-down: llm.py -> engine.py -> scheduler.py -> block_manager.py -> model_runner.py ->
 models/llama.py -> attention/ -> sampling.py. The lessons in notebooks/ walk through each file.
 """
+from minipaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from minipaged.config import EngineConfig
 from minipaged.engine import LLMEngine, RequestError
 from minipaged.llm import LLM
@@ -11,4 +12,5 @@ from minipaged.sampling import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput",
-           "CompletionOutput", "RequestError"]
+           "CompletionOutput", "RequestError", "BeamSearchParams", "BeamSearchOutput",
+           "BeamSearchSequence"]

@@ -17,6 +17,11 @@ Two layers, following vLLM's names:
 
 A block's hash is `hash((parent_block_hash, token_ids_of_this_block))`, so equal hashes mean equal
 *prefixes*, not just equal blocks; token ids are compared on every hit to rule out collisions.
+
+Swapping (lesson 06, `preemption_mode="swap"`): a second `BlockAllocator` owns the blocks of a
+CPU pool. `swap_out` moves a group of sequences' tables there (a block shared inside the group
+gets one CPU block, so sharing survives the trip) and returns the (GPU, CPU) block pairs whose
+contents the engine must copy; `swap_in` is the way back.
 """
 from __future__ import annotations
 
@@ -152,6 +157,11 @@ class BlockManager:
         # Prefix-cache statistics (lesson 02, issue on sharing): prompt tokens asked / served.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # Entries in all block tables; minus the blocks in use, it is what sharing saves (lesson 06).
+        self.num_block_refs = 0
+        # The CPU pool of swap preemption (`enable_swap`); tables of swapped-out sequences.
+        self.cpu_allocator: Optional[BlockAllocator] = None
+        self.cpu_block_tables: dict[int, list[int]] = {}
 
     # --- sizes ------------------------------------------------------------------------------
     @property
@@ -164,6 +174,12 @@ class BlockManager:
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    @property
+    def num_blocks_saved_by_sharing(self) -> int:
+        """Block-table entries that point at a block another table also uses: the blocks the
+        same sequences would take without sharing (fork, prefix hits), minus what they take."""
+        return self.num_block_refs - (self.num_blocks - self.num_free_blocks)
 
     # --- admission --------------------------------------------------------------------------
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[Block], int]:
@@ -196,6 +212,27 @@ class BlockManager:
         needed += sum(1 for b in computed_blocks if b.ref_count == 0)
         return needed <= self.allocator.num_free_blocks
 
+    def can_allocate_group(self, plans: list[tuple[Sequence, list[Block], int]]) -> bool:
+        """`can_allocate` for several sequences at once, (seq, computed_blocks, num_new_tokens)
+        each: a cached block that two of them hit is taken from the free queue only once."""
+        needed, revived = 0, set()
+        for _, blocks, n in plans:
+            needed += self.num_blocks_for(len(blocks) * self.block_size + n) - len(blocks)
+            revived.update(b.block_id for b in blocks if b.ref_count == 0)
+        return needed + len(revived) <= self.allocator.num_free_blocks
+
+    def allocate_group(self, plans: list[tuple[Sequence, list[Block], int]]) -> None:
+        """`allocate` each (seq, computed_blocks, num_new_tokens). Every cached block is claimed
+        before any fresh one is taken: a fresh block for one sequence must not evict a cached
+        block another sequence of the group is about to reuse."""
+        pinned = [b for _, blocks, _ in plans for b in blocks]
+        for b in pinned:
+            self.allocator.incref(b)
+        for seq, blocks, n in plans:
+            self.allocate(seq, blocks, n)
+        for b in pinned:
+            self.allocator.decref(b)
+
     def allocate(self, seq: Sequence, computed_blocks: list[Block], num_new_tokens: int) -> None:
         """Give a new (or recomputing) sequence its block table: cached prefix + fresh blocks."""
         if seq.seq_id in self.block_tables:
@@ -208,10 +245,12 @@ class BlockManager:
         table += [self.allocator.allocate().block_id
                   for _ in range(self.num_blocks_for(total) - len(table))]
         self.block_tables[seq.seq_id] = table
+        self.num_block_refs += len(table)
         self.num_slots[seq.seq_id] = total
         self._hashes[seq.seq_id] = [self.allocator.blocks[b].block_hash for b in table[:len(computed_blocks)]]
         seq.num_computed_tokens = num_computed
-        seq.num_cached_tokens = num_computed
+        if not seq.num_preemptions:  # the request's own hit, not a readmission after preemption
+            seq.num_cached_tokens = num_computed
         if self.enable_prefix_caching:
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += num_computed
@@ -245,6 +284,7 @@ class BlockManager:
         total = seq.num_computed_tokens + num_new_tokens
         while len(table) < self.num_blocks_for(total):
             table.append(self.allocator.allocate().block_id)
+            self.num_block_refs += 1
         self.num_slots[seq.seq_id] = max(self.num_slots[seq.seq_id], total)
         return copies
 
@@ -269,6 +309,7 @@ class BlockManager:
         for b in table:
             self.allocator.incref(self.allocator.blocks[b])
         self.block_tables[child.seq_id] = table
+        self.num_block_refs += len(table)
         self.num_slots[child.seq_id] = self.num_slots[parent.seq_id]
         self._hashes[child.seq_id] = list(self._hashes[parent.seq_id])
         child.num_computed_tokens = parent.num_computed_tokens
@@ -276,12 +317,78 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; tail blocks first, so they are evicted first."""
         table = self.block_tables.pop(seq.seq_id, None)
-        if table is None:
+        if table is not None:
+            for b in reversed(table):
+                self.allocator.decref(self.allocator.blocks[b])
+            self.num_block_refs -= len(table)
+        elif seq.seq_id in self.cpu_block_tables:  # swapped out: free its CPU blocks
+            for b in reversed(self.cpu_block_tables.pop(seq.seq_id)):
+                self.cpu_allocator.decref(self.cpu_allocator.blocks[b])
+        else:
             return
-        for b in reversed(table):
-            self.allocator.decref(self.allocator.blocks[b])
         del self.num_slots[seq.seq_id]
         del self._hashes[seq.seq_id]
+
+    # --- swapping (preemption_mode="swap") --------------------------------------------------
+    def enable_swap(self, num_cpu_blocks: int) -> None:
+        """Give the manager a CPU pool of `num_cpu_blocks` blocks (no prefix cache there)."""
+        self.cpu_allocator = (BlockAllocator(num_cpu_blocks, self.block_size, False)
+                              if num_cpu_blocks > 0 else None)
+
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+        if self.cpu_allocator is None:
+            return False
+        blocks = {b for s in seqs for b in self.block_tables[s.seq_id]}
+        return len(blocks) <= self.cpu_allocator.num_free_blocks
+
+    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Move the sequences' tables to the CPU pool; returns (gpu, cpu) blocks to copy.
+
+        A block shared by several of them maps to one CPU block (ref counts follow). A block
+        also used outside the group (a prefix hit) stays on the GPU for its other users.
+        """
+        mapping: dict[int, int] = {}
+        cpu = self.cpu_allocator
+        for s in seqs:
+            table = self.block_tables.pop(s.seq_id)
+            for b in table:
+                if b in mapping:
+                    cpu.incref(cpu.blocks[mapping[b]])
+                else:
+                    mapping[b] = cpu.allocate().block_id
+            for b in reversed(table):
+                self.allocator.decref(self.allocator.blocks[b])
+            self.num_block_refs -= len(table)
+            self.cpu_block_tables[s.seq_id] = [mapping[b] for b in table]
+        return list(mapping.items())
+
+    def num_swap_in_blocks(self, seqs: list[Sequence]) -> int:
+        """GPU blocks `swap_in(seqs)` takes."""
+        return len({b for s in seqs for b in self.cpu_block_tables[s.seq_id]})
+
+    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Bring swapped-out tables back to fresh GPU blocks; returns (cpu, gpu) blocks to copy.
+
+        Full blocks are published to the prefix cache again (first writer wins).
+        """
+        mapping: dict[int, int] = {}
+        a, cpu = self.allocator, self.cpu_allocator
+        for s in seqs:
+            cpu_table = self.cpu_block_tables.pop(s.seq_id)
+            for c in cpu_table:
+                if c in mapping:
+                    a.incref(a.blocks[mapping[c]])
+                else:
+                    mapping[c] = a.allocate().block_id
+            for c in reversed(cpu_table):
+                cpu.decref(cpu.blocks[c])
+            table = [mapping[c] for c in cpu_table]
+            self.block_tables[s.seq_id] = table
+            self.num_block_refs += len(table)
+            bs = self.block_size
+            for i, h in enumerate(self._hashes[s.seq_id]):
+                a.register(a.blocks[table[i]], h, tuple(s.token_ids[i * bs:(i + 1) * bs]))
+        return list(mapping.items())
 
     def get_block_table(self, seq: Sequence) -> list[int]:
         return self.block_tables[seq.seq_id]
@@ -333,3 +440,17 @@ class BlockManager:
             raise AssertionError(f"num_cached_free {a.num_cached_free} != {cached}")
         if live_seq_ids is not None and set(live_seq_ids) != set(self.block_tables):
             raise AssertionError("block tables exist for sequences that are not live")
+        if self.num_block_refs != sum(refs):
+            raise AssertionError(f"num_block_refs {self.num_block_refs} != {sum(refs)} table entries")
+        if self.cpu_allocator is not None:
+            c = self.cpu_allocator
+            cpu_refs = [0] * c.num_blocks
+            for table in self.cpu_block_tables.values():
+                for b in table:
+                    cpu_refs[b] += 1
+            for block in c.blocks:
+                if block.ref_count != cpu_refs[block.block_id]:
+                    raise AssertionError(f"CPU block {block.block_id}: ref_count {block.ref_count} "
+                                         f"but {cpu_refs[block.block_id]} table references")
+                if (block.block_id in c.free_queue) != (block.ref_count == 0):
+                    raise AssertionError(f"CPU block {block.block_id}: free queue disagrees")

@@ -26,7 +26,9 @@ class EngineConfig:
     kv_cache_memory: Optional[int] = None  # explicit cache size in bytes (CPU default: see kv_cache)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"
+    preemption_mode: str = "recompute"  # or "swap": preempted blocks wait in a CPU pool
+    swap_space: Optional[float] = None  # GiB of CPU pool for "swap"; None: as large as the cache
+    num_cpu_blocks: Optional[int] = None  # explicit CPU pool size in blocks (wins over swap_space)
     seed: int = 0
     device: str = "auto"
     attention_backend: Optional[str] = None  # None: "triton" on CUDA, "torch_ref" elsewhere
@@ -42,9 +44,14 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
-        if self.preemption_mode != "recompute":
-            raise ValueError(f"preemption_mode={self.preemption_mode!r}: only 'recompute' is "
-                             "implemented")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode={self.preemption_mode!r}: choose 'recompute' "
+                             "(free the blocks, prefill again later) or 'swap' (copy the blocks "
+                             "to CPU memory and back)")
+        if self.swap_space is not None and self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
 
     def resolve(self, max_position_embeddings: int) -> None:
         """Fill the `None` defaults from the model and check them against it."""

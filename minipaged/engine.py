@@ -9,6 +9,12 @@ One `step()` is the whole life cycle of lesson 03:
                                 blocks, publish full blocks to the prefix cache
     trace.append(StepRecord)    what happened, for the lessons' plots
 
+Requests with several sequences (lesson 06) add two things around the sampler: a group's prompt
+is forked into its `n` samples when it samples its first token (`_split_groups`), and a beam
+search decides its next beams once every live beam has its logits (`_beam_step`). Swap
+preemption copies blocks to and from the CPU pool before the forward (`_swap`). None of it costs
+anything while no such request is in flight.
+
 `LLM` (llm.py) loops this for offline batches; the server (server/) loops it in the background.
 """
 from __future__ import annotations
@@ -19,16 +25,19 @@ from typing import Iterable, Optional
 import torch
 
 from minipaged.attention import get_attention_backend
+from minipaged.beam_search import BeamSearchParams, BeamSearchState
 from minipaged.block_manager import BlockManager
 from minipaged.config import EngineConfig
-from minipaged.kv_cache import allocate_kv_cache, determine_num_blocks
+from minipaged.kv_cache import (allocate_cpu_cache, allocate_kv_cache, block_bytes,
+                                determine_num_blocks, determine_num_cpu_blocks, swap_in_blocks,
+                                swap_out_blocks)
 from minipaged.model_runner import ModelRunner
 from minipaged.models.config import parse_dtype
 from minipaged.models.loader import load_model, load_tokenizer, resolve_model
 from minipaged.outputs import CompletionOutput, RequestOutput
 from minipaged.sampling import SamplingParams, Sampler
 from minipaged.scheduler import Scheduler, SchedulerOutput
-from minipaged.sequence import Sequence, SequenceStatus
+from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.trace import ScheduledEntry, StepRecord
 
 
@@ -80,16 +89,24 @@ class LLMEngine:
         self.kv_cache = allocate_kv_cache(self.model_config, num_blocks, config.block_size,
                                           self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # Swap preemption: a CPU pool of the same layout (lesson 06).
+        self.block_bytes = block_bytes(self.model_config, config.block_size, self.dtype)
+        num_cpu_blocks = determine_num_cpu_blocks(config, self.block_bytes, num_blocks)
+        self.cpu_cache = allocate_cpu_cache(self.kv_cache, num_cpu_blocks)
+        self.block_manager.enable_swap(num_cpu_blocks)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   enable_chunked_prefill=config.enable_chunked_prefill)
+                                   enable_chunked_prefill=config.enable_chunked_prefill,
+                                   preemption_mode=config.preemption_mode)
         self.model_runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.backend,
                                         self.device, max_num_seqs=config.max_num_seqs,
                                         max_model_len=config.max_model_len,
                                         enforce_eager=config.enforce_eager)
         self.sampler = Sampler(seed=config.seed, eos_token_ids=self.eos_token_ids)
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, Sequence] = {}  # unfinished requests: their first sequence
+        self.groups: dict[str, SequenceGroup] = {}  # ... those with n > 1 or a beam search
         self.trace: list[StepRecord] = []
+        self._prefix_stats = (0, 0)  # block manager's (queries, hits) at the last StepRecord
         self.stream_outputs = False  # True: step() also reports unfinished requests, with text
         self._start = time.perf_counter()
         self._step_counter = 0
@@ -138,9 +155,13 @@ class LLMEngine:
         return self.tokenizer(prompt).input_ids
 
     def add_request(self, request_id: str, prompt: str | list[int],
-                    sampling_params: Optional[SamplingParams] = None,
+                    sampling_params: Optional[SamplingParams | BeamSearchParams] = None,
                     arrival_time: Optional[float] = None) -> Sequence:
-        """Queue a request. Raises `RequestError` (and queues nothing) if it can never be served."""
+        """Queue a request. Raises `RequestError` (and queues nothing) if it can never be served.
+
+        `BeamSearchParams` queue a beam search (what `LLM.beam_search` does); `SamplingParams`
+        with `n > 1` queue n samples of one prompt.
+        """
         params = sampling_params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -162,48 +183,173 @@ class LLMEngine:
         if bad:
             raise RequestError(f"request {request_id!r}: token ids {bad[:5]} are outside the "
                                f"vocabulary [0, {vocab})")
+        beam = None
+        if isinstance(params, BeamSearchParams):
+            self._check_group_fits(request_id, params.beam_width, "beam_width",
+                                   len(token_ids) + params.max_tokens, all_resident=True)
+            beam = BeamSearchState(params, self.eos_token_ids, len(token_ids), max_len)
+            size = params.beam_width
+            params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens,
+                                    ignore_eos=params.ignore_eos)
+        else:
+            size = params.n
+            if size > 1:
+                self._check_group_fits(request_id, size, "n", 0, all_resident=False)
         seq = Sequence(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
                        prompt=text, arrival_time=arrival_time or time.time())
+        if size > 1 or beam is not None:
+            seq.group = SequenceGroup(request_id, size, [seq], beam=beam)
+            self.groups[request_id] = seq.group
+            if beam is not None:
+                seq.logprobs = []
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def _check_group_fits(self, request_id: str, size: int, knob: str, max_len: int,
+                          all_resident: bool) -> None:
+        cfg = self.config
+        if size > cfg.max_num_seqs:
+            raise RequestError(f"request {request_id!r}: {knob}={size} sequences cannot run at "
+                               f"once with max_num_seqs={cfg.max_num_seqs}. Lower {knob} or raise "
+                               f"max_num_seqs.")
+        if all_resident:  # every beam must be in the cache at once, in the worst case unshared
+            need = size * self.block_manager.num_blocks_for(min(max_len, cfg.max_model_len))
+            if need > self.num_blocks:
+                raise RequestError(
+                    f"request {request_id!r}: {knob}={size} beams of up to "
+                    f"{min(max_len, cfg.max_model_len)} tokens may need {need} KV blocks at once "
+                    f"(if they share nothing), but the cache has {self.num_blocks}. Lower {knob} "
+                    f"or max_tokens, or give the cache more blocks.")
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
             seq = self.requests.pop(rid, None)
-            if seq is not None and not seq.is_finished:
-                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            group = self.groups.pop(rid, None)
+            for s in group.seqs if group is not None else [seq] if seq is not None else []:
+                if not s.is_finished:  # every sample / beam gives its blocks back
+                    self.scheduler.finish(s, SequenceStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.scheduler.waiting) + len(self.scheduler.running)
+        return len(self.requests)
 
     # --- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        if sched.blocks_to_swap_out or sched.blocks_to_swap_in:
+            self._swap(sched)  # before the forward: freed GPU blocks may be rewritten this step
+        if self.groups and sched.preempted:
+            self._drop_beam_logits(sched.preempted)
         if sched.is_empty:
+            if sched.preempted:  # all it could do was make room (a group that outgrew the cache)
+                self._record(sched, [], t0)
+                return []
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not make progress: no sequence fits in the "
                                    "KV cache (this is a bug; the config check should prevent it)")
             return []
         logits = self.model_runner.execute(sched)
         sampling = [s.seq for s in sched.scheduled if s.samples]
+        for s in sched.scheduled:  # their K/V are in the cache now
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_full_blocks(s.seq)
+        ready_beams: list[SequenceGroup] = []
+        if self.groups:  # n > 1 or beam search in flight (lesson 06)
+            logits, sampling, ready_beams = self._split_groups(logits, sampling)
         sampler_out = self.sampler(logits, sampling) if sampling else None
-        outputs, finished = self._process(sched, sampling, sampler_out)
+        outputs, finished = self._process(sampling, sampler_out)
+        for group in ready_beams:
+            outputs += self._beam_step(group, finished)
         self._record(sched, finished, t0)
         return outputs
 
-    def _process(self, sched: SchedulerOutput, sampling: list[Sequence], sampler_out):
+    def _swap(self, sched: SchedulerOutput) -> None:
+        swap_out_blocks(self.kv_cache, self.cpu_cache, sched.blocks_to_swap_out)
+        swap_in_blocks(self.cpu_cache, self.kv_cache, sched.blocks_to_swap_in)
+
+    # --- sequence groups: parallel sampling and beam search ---------------------------------
+    def _split_groups(self, logits: torch.Tensor, sampling: list[Sequence]):
+        """Fork a group's prompt into its n samples at its first sample (each child samples its
+        own first token from the same logits row), and set beams' logits aside until all beams
+        of their group have them. Returns (logits, sequences to sample, beam groups to step)."""
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        ready: list[SequenceGroup] = []
+        for row, seq in enumerate(sampling):
+            group = seq.group
+            if group is not None and group.beam is not None:
+                group.beam.logits[seq.seq_id] = logits[row].clone()
+                if len(group.beam.logits) == len(group.seqs):
+                    ready.append(group)
+                continue
+            rows.append(row)
+            seqs.append(seq)
+            if group is not None and not group.forked:  # the prompt was prefilled once: fork it
+                children = [seq.fork(i) for i in range(1, group.size)]
+                self.scheduler.fork(seq, children)  # BlockManager.fork: share every block
+                group.seqs += children
+                rows += [row] * len(children)
+                seqs += children
+        if rows != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+        return logits, seqs, ready
+
+    def _drop_beam_logits(self, preempted: list[Sequence]) -> None:
+        """A beam preempted by recompute will compute its logits again."""
+        for s in preempted:
+            if s.group is not None and s.group.beam is not None and s.status is SequenceStatus.WAITING:
+                s.group.beam.logits.pop(s.seq_id, None)
+
+    def _beam_step(self, group: SequenceGroup, finished: list[str]) -> list[RequestOutput]:
+        """One beam-search step (`BeamSearchState.step`), applied to the KV cache: beams nobody
+        continues are freed; a parent continued by m candidates is forked m - 1 times."""
+        beams = group.seqs
+        logits = torch.stack([group.beam.logits.pop(s.seq_id) for s in beams])
+        chosen = group.beam.step(beams, logits)
         now = time.time()
-        for s in sched.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.cache_full_blocks(s.seq)
+        by_parent: dict[int, list[int]] = {}
+        for j, c in enumerate(chosen):
+            by_parent.setdefault(c.parent, []).append(j)
+        for i, seq in enumerate(beams):
+            if i not in by_parent:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)  # dropped beam
+        next_beams: list[Optional[Sequence]] = [None] * len(chosen)
+        for i, js in by_parent.items():
+            parent = beams[i]
+            children = [parent.fork(group.num_created + k) for k in range(len(js) - 1)]
+            group.num_created += len(children)
+            self.scheduler.fork(parent, children)  # forks before the parent moves on
+            for seq, j in zip([parent] + children, js):
+                c = chosen[j]
+                seq.append_token(c.token)
+                seq.cumulative_logprob = c.cum_logprob
+                seq.logprobs.append({c.token: c.logprob})
+                next_beams[j] = seq
+        root = self.requests.get(group.request_id)
+        if root is not None and root.first_token_time is None:
+            root.first_token_time = now
+        if group.beam.done:
+            if root is not None:
+                root.finished_time = now
+            finished.append(group.request_id)
+            out = self.make_group_output(group)
+            self.requests.pop(group.request_id, None)
+            self.groups.pop(group.request_id, None)
+            group.seqs = []
+            return [out]
+        group.seqs = next_beams
+        return [self.make_group_output(group)] if self.stream_outputs else []
+
+    def _process(self, sampling: list[Sequence], sampler_out):
+        now = time.time()
         outputs: list[RequestOutput] = []
         finished: list[str] = []
+        touched: dict[str, SequenceGroup] = {}  # groups with a sample this step
         for row, seq in enumerate(sampling):
             token = sampler_out.token_ids[row]
             seq.append_token(token)
@@ -213,7 +359,12 @@ class LLMEngine:
                 seq.logprobs.append(sampler_out.logprobs[row])
                 seq.cumulative_logprob += sampler_out.sampled_logprobs[row]
             status = self._check_stop(seq, token)
-            if status is not None:
+            if seq.group is not None:  # one of n samples: the request ends with its last sample
+                if status is not None:
+                    seq.finished_time = now
+                    self.scheduler.finish(seq, status)
+                touched[seq.request_id] = seq.group
+            elif status is not None:
                 seq.finished_time = now
                 self.scheduler.finish(seq, status)
                 self.requests.pop(seq.request_id, None)
@@ -222,6 +373,14 @@ class LLMEngine:
             elif self.stream_outputs:
                 self._detokenize(seq)
                 outputs.append(self.make_output(seq))
+        for rid, group in touched.items():
+            if group.is_finished:
+                self.requests.pop(rid, None)
+                self.groups.pop(rid, None)
+                finished.append(rid)
+                outputs.append(self.make_group_output(group))
+            elif self.stream_outputs:
+                outputs.append(self.make_group_output(group))
         return outputs, finished
 
     def _check_stop(self, seq: Sequence, token: int) -> Optional[SequenceStatus]:
@@ -253,39 +412,102 @@ class LLMEngine:
             seq.output_text = detokenize(self.tokenizer, seq.prompt_token_ids, seq.output_token_ids,
                                          seq.sampling_params.skip_special_tokens)
 
-    def make_output(self, seq: Sequence) -> RequestOutput:
+    def _completion(self, seq: Sequence) -> CompletionOutput:
         if seq.is_finished and not isinstance(seq.stop_reason, str):  # stop strings trim text
             self._detokenize(seq)
-        finish = seq.status.value if seq.is_finished else None
-        completion = CompletionOutput(
-            index=0, text=seq.output_text, token_ids=list(seq.output_token_ids),
+        return CompletionOutput(
+            index=seq.index, text=seq.output_text, token_ids=list(seq.output_token_ids),
             cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-            logprobs=seq.logprobs, finish_reason=finish, stop_reason=seq.stop_reason)
+            logprobs=seq.logprobs, finish_reason=seq.status.value if seq.is_finished else None,
+            stop_reason=seq.stop_reason)
+
+    def _request_output(self, seq: Sequence, outputs: list[CompletionOutput], finished: bool,
+                        **metrics) -> RequestOutput:
+        bs = self.config.block_size
         return RequestOutput(
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
-            outputs=[completion], finished=seq.is_finished, num_cached_tokens=seq.num_cached_tokens,
+            outputs=outputs, finished=finished, num_cached_tokens=seq.num_cached_tokens,
             metrics={"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time,
-                     "finished_time": seq.finished_time, "num_preemptions": seq.num_preemptions})
+                     "finished_time": seq.finished_time, "num_preemptions": seq.num_preemptions,
+                     # prefix cache: the share of the prompt it served, in tokens and blocks
+                     "prefix_cache_hit_rate": seq.num_cached_tokens / seq.num_prompt_tokens,
+                     "num_cached_blocks": seq.num_cached_tokens // bs, **metrics})
+
+    def make_output(self, seq: Sequence) -> RequestOutput:
+        return self._request_output(seq, [self._completion(seq)], seq.is_finished)
+
+    def make_group_output(self, group: SequenceGroup) -> RequestOutput:
+        """n samples ordered by index; or a beam search's finished hypotheses, best first (its
+        live beams while it runs)."""
+        if group.beam is None:
+            root = group.seqs[0]
+            for s in group.seqs:
+                if not s.is_finished:  # streaming: the text so far
+                    self._detokenize(s)
+            outputs = [self._completion(s) for s in sorted(group.seqs, key=lambda s: s.index)]
+            times = [s.first_token_time for s in group.seqs if s.first_token_time is not None]
+            return self._request_output(
+                root, outputs, group.is_finished,
+                first_token_time=min(times, default=None),
+                finished_time=max((s.finished_time or 0.0 for s in group.seqs), default=None)
+                if group.is_finished else None,
+                num_preemptions=sum(s.num_preemptions for s in group.seqs))
+        root = self.requests.get(group.request_id) or group.seqs[0]
+        skip = root.sampling_params.skip_special_tokens
+        if group.beam.done:
+            outputs = [CompletionOutput(
+                index=i, text=self._text(root, h.token_ids, skip), token_ids=h.token_ids,
+                cumulative_logprob=h.cum_logprob, logprobs=h.logprobs, finish_reason=h.finish_reason)
+                for i, h in enumerate(group.beam.results())]
+        else:
+            outputs = [CompletionOutput(
+                index=i, text=self._text(root, s.output_token_ids, skip),
+                token_ids=list(s.output_token_ids), cumulative_logprob=s.cumulative_logprob,
+                logprobs=list(s.logprobs)) for i, s in enumerate(group.seqs)]
+        return self._request_output(root, outputs, group.beam.done)
+
+    def _text(self, seq: Sequence, output_ids: list[int], skip_special: bool) -> str:
+        if self.tokenizer is None:
+            return ""
+        return detokenize(self.tokenizer, seq.prompt_token_ids, output_ids, skip_special)
 
     def _record(self, sched: SchedulerOutput, finished: list[str], t0: float) -> None:
         bm = self.block_manager
+        grouped = bool(self.groups)  # name the samples and beams of groups ("request_id/index")
         entries = [ScheduledEntry(s.seq.request_id, s.seq.seq_id,
                                   s.num_new_tokens if s.is_prefill else 0,
                                   0 if s.is_prefill else s.num_new_tokens,
-                                  s.seq.num_computed_tokens - s.num_new_tokens)
+                                  s.seq.num_computed_tokens - s.num_new_tokens,
+                                  s.num_cached_tokens, s.seq.name if grouped else "")
                    for s in sched.scheduled]
         cached = bm.allocator.num_cached_free
+        queries, hits = self._prefix_stats
+        self._prefix_stats = (bm.prefix_queries, bm.prefix_hits)
         record = StepRecord(
             step=self._step_counter, start_time=t0 - self._start,
             duration=time.perf_counter() - t0, scheduled=entries,
-            preempted=[s.request_id for s in sched.preempted], finished=finished,
+            preempted=list(dict.fromkeys(s.request_id for s in sched.preempted)), finished=finished,
             num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
             num_blocks_used=bm.num_blocks - bm.num_free_blocks,
             num_blocks_free=bm.num_free_blocks - cached, num_blocks_cached=cached,
-            num_batched_tokens=sched.num_batched_tokens)
+            num_batched_tokens=sched.num_batched_tokens,
+            num_blocks_saved_by_sharing=bm.num_blocks_saved_by_sharing,
+            num_cow_copies=len(sched.blocks_to_copy),
+            num_prefix_query_tokens=bm.prefix_queries - queries,
+            num_prefix_hit_tokens=bm.prefix_hits - hits)
+        if sched.swapped_out or sched.swapped_in:
+            record.swapped_out = list(dict.fromkeys(s.request_id for s in sched.swapped_out))
+            record.swapped_in = list(dict.fromkeys(s.request_id for s in sched.swapped_in))
+            record.num_swapped_bytes = self.block_bytes * (len(sched.blocks_to_swap_out)
+                                                           + len(sched.blocks_to_swap_in))
+        if self.scheduler.num_preemptions:  # prefill work that a recompute preemption caused
+            record.num_recomputed_tokens = sum(
+                max(0, min(s.seq.num_computed_tokens, s.seq.recompute_until)
+                    - (s.seq.num_computed_tokens - s.num_new_tokens))
+                for s in sched.scheduled if s.seq.recompute_until)
         if self.config.record_block_tables:
             record.usage = bm.usage()
-            record.block_tables = {s.request_id: list(bm.block_tables[s.seq_id])
+            record.block_tables = {s.name: list(bm.block_tables[s.seq_id])
                                    for s in self.scheduler.running}
         self.trace.append(record)
         self._step_counter += 1

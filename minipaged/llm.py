@@ -8,6 +8,10 @@
 It tokenises, queues every prompt with `LLMEngine.add_request`, calls `step()` until all are
 done, and returns `RequestOutput`s in the order of the prompts. `llm.engine` exposes the engine,
 its scheduler, block manager and trace for the lessons.
+
+`SamplingParams(n=4)` returns four `CompletionOutput`s per prompt (one prefill, four samples
+sharing its blocks), and `llm.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=32))`
+runs a beam search in the same engine (lesson 06).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from typing import Optional, Sequence as Seq
 
 from tqdm.auto import tqdm
 
+from minipaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_score
 from minipaged.config import EngineConfig
 from minipaged.engine import LLMEngine, RequestError
 from minipaged.outputs import RequestOutput
@@ -63,7 +68,30 @@ class LLM:
                   else list(sampling_params))
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        # Validate every prompt before queueing any, so a bad one leaves the engine untouched.
+        return self._run(self._add(prompts, params), use_tqdm)
+
+    def beam_search(self, prompts, params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (vLLM's API; HF's rules, see `beam_search.py`)."""
+        prompts = self._normalize_prompts(prompts)
+        outs = self._run(self._add(prompts, [params] * len(prompts)), use_tqdm)
+        tok = self.engine.tokenizer
+        results = []
+        for out in outs:
+            seqs = []
+            for c in out.outputs:
+                tokens = out.prompt_token_ids + c.token_ids
+                seqs.append(BeamSearchSequence(
+                    tokens=tokens, logprobs=c.logprobs, cum_logprob=c.cumulative_logprob,
+                    text=tok.decode(tokens, skip_special_tokens=True) if tok is not None else None,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.token_ids[-1] if c.finish_reason == "stop" else None,
+                    score=beam_score(c.cumulative_logprob, len(c.token_ids), params.length_penalty)))
+            results.append(BeamSearchOutput(sequences=seqs))
+        return results
+
+    def _add(self, prompts: list[PromptType], params: list) -> list[str]:
+        """Queue every prompt (validated first, so a bad one leaves the engine untouched)."""
         inputs = []
         for p in prompts:
             if isinstance(p, dict):
@@ -78,7 +106,7 @@ class LLM:
         except RequestError:
             self.engine.abort_request(added)
             raise
-        return self._run(ids, use_tqdm)
+        return ids
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
@@ -91,7 +119,7 @@ class LLM:
                 for out in self.engine.step():
                     if out.finished and out.request_id in wanted:
                         results[out.request_id] = out
-                        n_out += len(out.outputs[0].token_ids)
+                        n_out += sum(len(c.token_ids) for c in out.outputs)
                         bar.update(1)
                         bar.set_postfix_str(f"{n_out / max(bar.format_dict['elapsed'], 1e-9):.0f} tok/s")
         finally:

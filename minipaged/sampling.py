@@ -8,7 +8,8 @@ Lesson 04 plots every stage on real stories260K logits. One step's logits go thr
 
 All rows are processed together even when each request asks for different parameters. Sampling
 uses the "exponential race": argmax(p / E) with E ~ Exp(1) draws from p. A request with a `seed`
-draws its E from its own generator, so its tokens do not depend on what else is in the batch.
+draws its E from its own generator, so its tokens do not depend on what else is in the batch;
+with `n > 1` sample i uses `seed + i` (vLLM's rule), so the samples differ but replay exactly.
 Greedy rows (temperature 0) take argmax of the processed logits.
 """
 from __future__ import annotations
@@ -55,8 +56,8 @@ class SamplingParams:
     def _validate(self) -> None:
         def bad(msg: str) -> None:
             raise ValueError(msg)
-        if self.n != 1:
-            bad(f"n must be 1 in this version of minipaged, got {self.n}")
+        if self.n < 1:
+            bad(f"n must be at least 1, got {self.n}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -215,7 +216,7 @@ class Sampler:
         for i, (seq, p) in enumerate(zip(seqs, params)):
             if p.seed is not None and not p.greedy:
                 if seq.generator is None:
-                    seq.generator = torch.Generator(device=device).manual_seed(p.seed)
+                    seq.generator = torch.Generator(device=device).manual_seed(p.seed + seq.index)
                 noise[i].exponential_(generator=seq.generator)
             elif p.greedy:
                 noise[i] = 1.0

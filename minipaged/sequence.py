@@ -4,23 +4,29 @@ A `Sequence` is one stream of tokens (the prompt followed by what the engine has
 and walks a small state machine that lesson 03 draws as a Gantt chart:
 
     WAITING ──schedule──▶ RUNNING ──stop / length──▶ FINISHED_*
-       ▲                     │
-       └──────preempt────────┘   (recompute: its KV blocks are freed, it re-prefills later)
+       ▲                  │    ▲
+       └──preempt─────────┘    │     recompute: its KV blocks are freed, it re-prefills later
+                 SWAPPED ◀─────┘     swap: its KV blocks wait in CPU memory (lesson 06)
 
 `num_computed_tokens` is vLLM's name for "how many of `token_ids` already have K/V in the cache";
 the scheduler gives every sequence `len(token_ids) - num_computed_tokens` more tokens of work,
 which is a whole prompt, a prefill chunk, or the single newest token of a decode.
+
+A request that asks for several sequences (`SamplingParams(n=4)`, or a beam search) is a
+`SequenceGroup` (vLLM's name): its prompt is prefilled once by one sequence, which is then
+*forked*; the children share the prompt's KV blocks (lesson 06).
 """
 from __future__ import annotations
 
 import enum
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from minipaged.beam_search import BeamSearchState
     from minipaged.sampling import Logprob, SamplingParams
 
 
@@ -28,6 +34,7 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # recorded in the trace; a preempted sequence is put back in WAITING
+    SWAPPED = "swapped"  # preempted by swapping: its KV blocks are in the CPU block pool
     FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
     FINISHED_LENGTH = "length"  # max_tokens reached, or max_model_len
     FINISHED_ABORTED = "abort"
@@ -65,6 +72,10 @@ class Sequence:
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
     generator: Optional["torch.Generator"] = None  # per-request RNG when SamplingParams.seed is set
+    # Parallel sampling and beam search (lesson 06); None / 0 for a plain single-sequence request.
+    group: Optional["SequenceGroup"] = field(default=None, repr=False)
+    index: int = 0  # which of the group's samples (its CompletionOutput.index); beams: a counter
+    recompute_until: int = 0  # tokens whose K/V a recompute preemption threw away (for the trace)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -99,10 +110,57 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def name(self) -> str:
+        """The request id, or "request_id/index" for one of a group's sequences (trace keys)."""
+        return self.request_id if self.group is None else f"{self.request_id}/{self.index}"
+
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
 
+    def fork(self, index: int) -> "Sequence":
+        """A copy with its own token lists and a new `seq_id` (the KV blocks are shared by
+        `BlockManager.fork`, not here). Its RNG starts afresh from `seed + index`."""
+        return replace(self, seq_id=next(_seq_counter), index=index, generator=None,
+                       output_token_ids=list(self.output_token_ids), token_ids=list(self.token_ids),
+                       logprobs=None if self.logprobs is None else list(self.logprobs))
+
     def __repr__(self) -> str:  # short, for the lessons
         return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, {self.status.value}, "
                 f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """The sequences of one request that share its prompt: `n` parallel samples, or the beams of a
+    beam search (vLLM's `SequenceGroup`).
+
+    Life of a group: one sequence (`seqs[0]`) prefills the prompt, like any request. When it
+    reaches its first sample the engine forks it: `size - 1` children get the same block table
+    (ref counts +1, `BlockManager.fork`), and each samples its own first token. The first write
+    into the shared, partly filled last block copies it (copy-on-write); the full prompt blocks
+    stay shared until the last sample finishes. Beams fork again at every step (`beam_search.py`).
+
+    The scheduler reserves `size` seats when the prompt is admitted. Forked samples are then
+    independent sequences (preempted one at a time); beams are gang-scheduled: preempted,
+    swapped and readmitted together, since a beam-search step needs all of them.
+    """
+
+    request_id: str
+    size: int  # n samples, or the beam width
+    seqs: list[Sequence]  # samples in index order; for a beam search, the live beams, best first
+    beam: Optional["BeamSearchState"] = None
+    forked: bool = False  # the prompt's sequence has been forked into `size` sequences
+    num_created: int = 1  # sequences created so far (beams get increasing indices)
+
+    @property
+    def lockstep(self) -> bool:
+        """Beams must all reach a sample before any of them can move on."""
+        return self.beam is not None
+
+    @property
+    def is_finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
+        return all(s.is_finished for s in self.seqs)

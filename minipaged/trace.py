@@ -19,6 +19,13 @@ class ScheduledEntry:
     num_prefill_tokens: int  # prompt / chunk / recompute tokens computed this step
     num_decode_tokens: int  # 1 for a decode step, else 0
     num_computed_before: int  # tokens already in the cache before this step
+    num_cached_tokens: int = 0  # admitted this step: tokens served from the prefix cache
+    name: str = ""  # "request_id/index" for a sample or beam of a group (n > 1, beam search)
+
+    @property
+    def key(self) -> str:
+        """The sequence's name in `StepRecord.block_tables`."""
+        return self.name or self.request_id
 
 
 @dataclass
@@ -27,7 +34,7 @@ class StepRecord:
     start_time: float  # seconds since the engine started
     duration: float
     scheduled: list[ScheduledEntry]
-    preempted: list[str]  # request ids preempted (by recompute) while planning this step
+    preempted: list[str]  # request ids preempted (recompute or swap) while planning this step
     finished: list[str]
     num_waiting: int  # after the step
     num_running: int
@@ -37,6 +44,15 @@ class StepRecord:
     num_batched_tokens: int
     usage: Optional[BlockUsage] = None  # full accounting, when record_block_tables is on
     block_tables: Optional[dict[str, list[int]]] = field(default=None, repr=False)
+    # Sharing and preemption (lesson 06).
+    num_blocks_saved_by_sharing: int = 0  # table entries minus blocks in use (fork, prefix hits)
+    num_cow_copies: int = 0  # blocks copied on write before this step's forward
+    num_prefix_query_tokens: int = 0  # tokens of the sequences admitted this step ...
+    num_prefix_hit_tokens: int = 0  # ... and how many of them the prefix cache served
+    swapped_out: list[str] = field(default_factory=list)  # preempted by swap (also in preempted)
+    swapped_in: list[str] = field(default_factory=list)
+    num_swapped_bytes: int = 0  # K/V bytes copied to and from the CPU pool this step
+    num_recomputed_tokens: int = 0  # prefill tokens whose K/V a recompute preemption had dropped
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -45,6 +61,12 @@ class StepRecord:
     @property
     def num_decode_tokens(self) -> int:
         return sum(e.num_decode_tokens for e in self.scheduled)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Share of this step's admitted tokens found in the prefix cache."""
+        q = self.num_prefix_query_tokens
+        return self.num_prefix_hit_tokens / q if q else 0.0
 
 
 def summarize(trace: list[StepRecord]) -> dict:
@@ -58,6 +80,9 @@ def summarize(trace: list[StepRecord]) -> dict:
         "preemptions": sum(len(r.preempted) for r in trace),
         "max_blocks_used": max(r.num_blocks_used for r in trace),
         "max_running": max(r.num_running for r in trace),
+        "prefix_hit_tokens": sum(r.num_prefix_hit_tokens for r in trace),
+        "recomputed_tokens": sum(r.num_recomputed_tokens for r in trace),
+        "swapped_bytes": sum(r.num_swapped_bytes for r in trace),
     }
 
 
@@ -125,12 +150,17 @@ def tokens_in_cache(trace: Sequence[StepRecord], position: int) -> dict[str, int
     Together with `StepRecord.block_tables` this says how full each request's last block is.
     """
     tokens: dict[str, int] = {}
+
+    def drop(rid: str) -> None:  # the request, or every sample / beam of it
+        for key in [k for k in tokens if k == rid or k.startswith(rid + "/")]:
+            del tokens[key]
+
     for rec in trace[:position + 1]:
         for rid in rec.preempted:
-            tokens.pop(rid, None)
+            drop(rid)
         for e in rec.scheduled:
-            tokens[e.request_id] = (e.num_computed_before + e.num_prefill_tokens
-                                    + e.num_decode_tokens)
+            tokens[e.key] = (e.num_computed_before + e.num_prefill_tokens
+                             + e.num_decode_tokens)
         for rid in rec.finished:
-            tokens.pop(rid, None)
+            drop(rid)
     return tokens

@@ -376,7 +376,7 @@ def test_logprobs_hold_top_k_and_the_sampled_token():
 
 # --- SamplingParams validation ---------------------------------------------------------------
 @pytest.mark.parametrize("field, value, words", [
-    ("n", 2, ["n", "2"]),
+    ("n", 0, ["n", "0"]),
     ("presence_penalty", 2.5, ["presence_penalty", "2.5"]),
     ("presence_penalty", -3.0, ["presence_penalty", "-3.0"]),
     ("frequency_penalty", -2.1, ["frequency_penalty", "-2.1"]),
