@@ -139,25 +139,29 @@ class BeamSearchState:
         eos = [] if p.ignore_eos else self.eos_token_ids
         k = min(max(2, 1 + len(eos)) * width, scores.numel())
         top, idx = scores.topk(k)  # sorted, best first
-        parents, tokens = (idx // vocab).tolist(), (idx % vocab).tolist()
+        parent_t, token_t = idx // vocab, idx % vocab
+        # each candidate's own log-probability and its rank among its parent's next tokens
+        cand_lp = logprobs[parent_t, token_t]
+        ranks = (logprobs[parent_t] > cand_lp[:, None]).sum(dim=-1) + 1
+        parents, tokens = parent_t.tolist(), token_t.tolist()
+        cand_lp, ranks = cand_lp.tolist(), ranks.tolist()
         gen_len = beams[0].num_output_tokens + 1  # all live beams have the same length
         at_max = gen_len >= self.max_new_tokens
         stops = [at_max or t in eos for t in tokens]
 
         def logprob(i: int) -> Logprob:
-            row = logprobs[parents[i]]
-            lp = row[tokens[i]]
-            return Logprob(float(lp), int((row > lp).sum()) + 1)
+            return Logprob(cand_lp[i], ranks[i])
 
         # Finished hypotheses: the stopping candidates among the best `width`.
-        norm = top[:width] / (gen_len ** p.length_penalty)
+        norm = (top[:width] / (gen_len ** p.length_penalty)).tolist()
+        top_list = top.tolist()
         for i in range(min(width, k)):
             if stops[i]:
                 b = beams[parents[i]]
                 self.finished.append(Hypothesis(
                     token_ids=b.output_token_ids + [tokens[i]],
                     logprobs=(b.logprobs or []) + [{tokens[i]: logprob(i)}],
-                    cum_logprob=float(top[i]), score=float(norm[i]),
+                    cum_logprob=top_list[i], score=norm[i],
                     finish_reason="stop" if tokens[i] in eos else "length"))
         self.finished.sort(key=lambda h: -h.score)  # stable: earlier hypotheses win ties
         del self.finished[width:]
@@ -174,7 +178,7 @@ class BeamSearchState:
         self.done = not live or (full and (p.early_stopping is True or not improvable))
         if self.done:
             return []
-        return [Candidate(parents[i], tokens[i], float(top[i]), logprob(i)) for i in live]
+        return [Candidate(parents[i], tokens[i], top_list[i], logprob(i)) for i in live]
 
     def results(self) -> list[Hypothesis]:
         return list(self.finished)

@@ -441,7 +441,8 @@ class BlockManager:
         if live_seq_ids is not None and set(live_seq_ids) != set(self.block_tables):
             raise AssertionError("block tables exist for sequences that are not live")
         if self.num_block_refs != sum(refs):
-            raise AssertionError(f"num_block_refs {self.num_block_refs} != {sum(refs)} table entries")
+            raise AssertionError(f"num_block_refs {self.num_block_refs} != {sum(refs)} "
+                                 "table entries")
         if self.cpu_allocator is not None:
             c = self.cpu_allocator
             cpu_refs = [0] * c.num_blocks

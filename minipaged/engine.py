@@ -302,8 +302,9 @@ class LLMEngine:
     def _drop_beam_logits(self, preempted: list[Sequence]) -> None:
         """A beam preempted by recompute will compute its logits again."""
         for s in preempted:
-            if s.group is not None and s.group.beam is not None and s.status is SequenceStatus.WAITING:
-                s.group.beam.logits.pop(s.seq_id, None)
+            beam = s.group.beam if s.group is not None else None
+            if beam is not None and s.status is SequenceStatus.WAITING:
+                beam.logits.pop(s.seq_id, None)
 
     def _beam_step(self, group: SequenceGroup, finished: list[str]) -> list[RequestOutput]:
         """One beam-search step (`BeamSearchState.step`), applied to the KV cache: beams nobody
@@ -457,7 +458,8 @@ class LLMEngine:
         if group.beam.done:
             outputs = [CompletionOutput(
                 index=i, text=self._text(root, h.token_ids, skip), token_ids=h.token_ids,
-                cumulative_logprob=h.cum_logprob, logprobs=h.logprobs, finish_reason=h.finish_reason)
+                cumulative_logprob=h.cum_logprob, logprobs=h.logprobs,
+                finish_reason=h.finish_reason)
                 for i, h in enumerate(group.beam.results())]
         else:
             outputs = [CompletionOutput(

@@ -86,7 +86,8 @@ class LLM:
                     text=tok.decode(tokens, skip_special_tokens=True) if tok is not None else None,
                     finish_reason=c.finish_reason,
                     stop_reason=c.token_ids[-1] if c.finish_reason == "stop" else None,
-                    score=beam_score(c.cumulative_logprob, len(c.token_ids), params.length_penalty)))
+                    score=beam_score(c.cumulative_logprob, len(c.token_ids),
+                                     params.length_penalty)))
             results.append(BeamSearchOutput(sequences=seqs))
         return results
 

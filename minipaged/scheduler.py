@@ -163,7 +163,8 @@ class Scheduler:
             self.waiting.popleft()
             bm.allocate(seq, computed_blocks, n)
             self._enter_running(seq)
-            out.scheduled.append(ScheduledSeq(seq, n, True, seq.num_computed_tokens + n == seq.num_tokens,
+            out.scheduled.append(ScheduledSeq(seq, n, True,
+                                              seq.num_computed_tokens + n == seq.num_tokens,
                                               num_cached))
             budget -= n
         return out
@@ -191,7 +192,8 @@ class Scheduler:
             self._enter_running(s)
             n = min(n_all, budget - used)
             if n > 0:
-                out.scheduled.append(ScheduledSeq(s, n, True, n == n_all, len(blocks) * bm.block_size))
+                out.scheduled.append(ScheduledSeq(s, n, True, n == n_all,
+                                                  len(blocks) * bm.block_size))
                 used += n
         return used
 

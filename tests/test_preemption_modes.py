@@ -158,7 +158,8 @@ def workloads(draw):
                                max_tokens=max_tokens, ignore_eos=True)
         else:
             p = BeamSearchParams(beam_width=draw(st.integers(1, 3)), max_tokens=max_tokens,
-                                 ignore_eos=True, early_stopping=draw(st.sampled_from([False, True])))
+                                 ignore_eos=True,
+                                 early_stopping=draw(st.sampled_from([False, True])))
         reqs.append((prompt, p))
     return dict(reqs=reqs, mode=draw(st.sampled_from(["recompute", "swap"])),
                 block_size=draw(st.sampled_from([2, 4])), extra_blocks=draw(st.integers(0, 4)),
