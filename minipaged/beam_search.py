@@ -26,6 +26,22 @@ token-exact with it (tests/test_beam_search.py). One step of a request with `k` 
 
 Scores are float32 tensors added and divided in the same order as HF, so ties break alike.
 
+Where it differs, on purpose:
+
+* `beam_width=1`: HF's `generate(num_beams=1)` is greedy search, which stops at the first EOS.
+  Here the beam rules still apply (2 candidates per step). With `early_stopping` True or False
+  that is exactly greedy (the EOS hypothesis finishes, and the live beam, less likely at the same
+  length, cannot beat it); with `early_stopping="never"` and `length_penalty > 0` the search may
+  go on, because the live beam is judged at `max_tokens`
+  (tests/test_beam_search.py::test_width_one_is_greedy).
+* vLLM's `LLM.beam_search` scores `cum_logprob / (prompt + output length, EOS not counted)`,
+  keeps every EOS hypothesis, has no early stopping and adds the live beams to the answer at
+  `max_tokens`; we follow HF instead (the length is the generated tokens, EOS included), since HF
+  is the reference the tests compare with token for token.
+* If fewer than `beam_width` candidates go on (a vocabulary smaller than 2 x beam_width), HF keeps
+  placeholder beams scored -1e9; we keep fewer beams.
+* `temperature` must be 0: this is deterministic beam search (HF's `do_sample=False`).
+
 In the engine (`engine.py`) the beams of one request form a `SequenceGroup`. A beam's logits wait
 in `BeamSearchState.logits` until all live beams of the group have theirs (the scheduler may have
 run only some of them this step); then `step()` decides, and the engine applies the decision to

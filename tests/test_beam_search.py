@@ -79,6 +79,25 @@ def test_token_exact_with_hf(llm, hf_model, early_stopping):
     bm.check_invariants([])
 
 
+@pytest.mark.parametrize("early_stopping", [True, False])
+def test_width_one_is_greedy(llm, hf_model, early_stopping):
+    """The documented difference: HF's num_beams=1 is greedy search; our width 1 follows the
+    beam rules, which give the same tokens unless early_stopping="never" (beam_search.py)."""
+    tok = llm.get_tokenizer()
+    for text in PROMPTS:
+        ids = tok(text).input_ids
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            greedy = hf_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                       max_new_tokens=24, pad_token_id=0,
+                                       eos_token_id=PERIOD)[0, len(ids):].tolist()
+        if PERIOD in greedy:
+            greedy = greedy[:greedy.index(PERIOD) + 1]
+        out = llm.beam_search([ids], BeamSearchParams(beam_width=1, max_tokens=24,
+                                                      early_stopping=early_stopping))[0]
+        assert out.sequences[0].tokens[len(ids):] == greedy
+
+
 def test_ignore_eos_with_hf_on_the_real_model(hf_model):
     llm = LLM("stories260K", block_size=16, num_blocks=256)
     ids = llm.get_tokenizer()("Lily and her mom").input_ids
