@@ -73,8 +73,6 @@ class EngineConfig:
                 f"max_model_len={self.max_model_len}; without chunked prefill a prompt that long "
                 f"could never be scheduled. Raise max_num_batched_tokens, lower max_model_len, "
                 f"or set enable_chunked_prefill=True.")
-        if self.max_num_batched_tokens < self.max_num_seqs and self.enable_chunked_prefill is False:
-            pass  # decodes simply queue; nothing to check
 
 
 def kv_cache_too_small_error(*, max_model_len: int, bytes_per_token: int, available_bytes: int,

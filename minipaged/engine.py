@@ -32,7 +32,7 @@ from minipaged.kv_cache import (allocate_cpu_cache, allocate_kv_cache, block_byt
                                 determine_num_blocks, determine_num_cpu_blocks, swap_in_blocks,
                                 swap_out_blocks)
 from minipaged.model_runner import ModelRunner
-from minipaged.models.config import parse_dtype
+from minipaged.models.config import ModelConfig, parse_dtype
 from minipaged.models.loader import load_model, load_tokenizer, resolve_model
 from minipaged.outputs import CompletionOutput, RequestOutput
 from minipaged.sampling import SamplingParams, Sampler
@@ -72,7 +72,6 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.source = resolve_model(config.model)
-        from minipaged.models.config import ModelConfig
         model_cfg = ModelConfig.from_dict(self.source.config)
         config.resolve(model_cfg.max_position_embeddings)
         self.dtype = model_cfg.torch_dtype if config.dtype == "auto" else parse_dtype(config.dtype)
