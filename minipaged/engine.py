@@ -60,6 +60,27 @@ def detokenize(tokenizer, prompt_ids: list[int], output_ids: list[int], skip_spe
     return tokenizer.decode(output_ids, skip_special_tokens=skip_special)
 
 
+def detokenize_incrementally(tokenizer, seq: Sequence) -> None:
+    """Append the text of `seq`'s newest tokens to `seq.output_text` (vLLM's offsets).
+
+    Decoding the whole output at every step costs O(length) per token; this decodes only a short
+    window: the tokens not yet turned into text plus those of the last piece of text before them
+    (so sentencepiece's leading spaces come out right). A token that ends in the middle of a
+    multi-byte character ("\ufffd") waits for the next one.
+    """
+    ids = seq.token_ids  # prompt + output
+    skip = seq.sampling_params.skip_special_tokens
+    if seq.detok_read_offset < 0:  # first call: the window starts in the prompt's last tokens
+        seq.detok_read_offset = seq.num_prompt_tokens
+        seq.detok_prefix_offset = max(seq.num_prompt_tokens - 4, 0)
+    prefix_text = tokenizer.decode(ids[seq.detok_prefix_offset:seq.detok_read_offset],
+                                   skip_special_tokens=skip)
+    new_text = tokenizer.decode(ids[seq.detok_prefix_offset:], skip_special_tokens=skip)
+    if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+        seq.output_text += new_text[len(prefix_text):]
+        seq.detok_prefix_offset, seq.detok_read_offset = seq.detok_read_offset, len(ids)
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -408,13 +429,15 @@ class LLMEngine:
         return None
 
     def _detokenize(self, seq: Sequence) -> None:
+        """Bring `seq.output_text` up to date while it runs (streaming, stop strings)."""
         if self.tokenizer is not None:
-            seq.output_text = detokenize(self.tokenizer, seq.prompt_token_ids, seq.output_token_ids,
-                                         seq.sampling_params.skip_special_tokens)
+            detokenize_incrementally(self.tokenizer, seq)
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
-        if seq.is_finished and not isinstance(seq.stop_reason, str):  # stop strings trim text
-            self._detokenize(seq)
+        if (seq.is_finished and not isinstance(seq.stop_reason, str)  # stop strings trim text
+                and self.tokenizer is not None):  # the final text, decoded in one go
+            seq.output_text = detokenize(self.tokenizer, seq.prompt_token_ids, seq.output_token_ids,
+                                         seq.sampling_params.skip_special_tokens)
         return CompletionOutput(
             index=seq.index, text=seq.output_text, token_ids=list(seq.output_token_ids),
             cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,

@@ -66,6 +66,10 @@ class Sequence:
     cumulative_logprob: float = 0.0
     logprobs: Optional[list[dict[int, "Logprob"]]] = None
     output_text: str = ""
+    # Incremental detokenization (engine.detokenize_incrementally): token_ids[prefix:read] is the
+    # window whose text is already in output_text; -1 until the first call.
+    detok_prefix_offset: int = -1
+    detok_read_offset: int = -1
     stop_reason: Optional[int | str] = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission

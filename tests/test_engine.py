@@ -224,3 +224,36 @@ def test_dummy_preset_loads_with_right_shapes():
     while eng.has_unfinished_requests():
         eng.step()
     assert torch.isfinite(eng.kv_cache).all()
+
+
+def test_incremental_detokenization_matches_full_decoding(llm):
+    """Streaming text is built a few tokens at a time; it must always be a prefix of (and at
+    the end equal to) decoding the whole output at once, also when a character arrives as
+    several byte-fallback tokens (stories260K: ids 3..258 are the bytes <0x00>..<0xFF>)."""
+    import random
+
+    from minipaged.engine import detokenize, detokenize_incrementally
+    from minipaged.sequence import Sequence
+    tok = llm.get_tokenizer()
+    byte_tokens = {ch: [3 + b for b in ch.encode()] for ch in "é→日🙂"}
+    assert tok.decode(byte_tokens["é"]) == "é"
+    rng = random.Random(0)
+    for trial in range(20):
+        prompt = tok("Once upon a time").input_ids if trial % 2 else [1] + [rng.randrange(259, 512)
+                                                                           for _ in range(5)]
+        seq = Sequence(request_id="x", prompt_token_ids=prompt, sampling_params=SamplingParams())
+        seen, held_back = [], 0
+        for _ in range(30):
+            pieces = ([rng.randrange(259, 512)] if rng.random() < 0.7
+                      else byte_tokens[rng.choice(list(byte_tokens))])
+            for t in pieces:
+                seq.append_token(t)
+                detokenize_incrementally(tok, seq)
+                assert "\ufffd" not in seq.output_text  # never half a character
+                seen.append(seq.output_text)
+                held_back += seq.output_text != detokenize(tok, seq.prompt_token_ids,
+                                                           seq.output_token_ids, True)
+            # every character complete: the streamed text is the whole text
+            assert seq.output_text == detokenize(tok, seq.prompt_token_ids, seq.output_token_ids, True)
+        assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))  # text only ever grows
+        assert held_back > 0  # the multi-byte path was exercised
