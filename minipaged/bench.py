@@ -205,15 +205,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--hf-max-requests", type=int, default=None,
                     help="run the HF baselines on the first N requests only (labelled subsample)")
     ap.add_argument("--hf-sequential-max-requests", type=int, default=None)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--num-blocks", type=int, default=None)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--json", default=None, help="write the results here")
+    from minipaged.cli import add_engine_args, engine_kwargs
+    add_engine_args(ap)  # the same engine flags as `minipaged generate`
     args = ap.parse_args(argv)
 
     from minipaged import LLM
@@ -221,10 +215,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     unknown = set(backends) - set(BACKENDS)
     if unknown:
         ap.error(f"unknown backends {sorted(unknown)}; choose from {BACKENDS}")
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-              num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-              device=args.device, seed=args.seed)
+    llm = LLM(args.model, seed=args.seed, **engine_kwargs(args))
     mc = llm.engine.model_config
     wl = make_workload(args.workload, mc.vocab_size, args.num_requests, args.seed, args.input_len,
                        args.output_len, bos=mc.bos_token_id if args.workload != "nanovllm" else None,

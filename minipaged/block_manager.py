@@ -144,6 +144,24 @@ class BlockUsage:
         return self.num_tokens_stored / self.num_slots_allocated if self.num_slots_allocated else 1.0
 
 
+def _check_ref_counts(allocator: BlockAllocator, tables: Iterable[list[int]], what: str) -> list[int]:
+    """Every block's ref count equals its number of table entries, and a block is in the free
+    queue exactly when nothing references it. Returns the counted references per block."""
+    refs = [0] * allocator.num_blocks
+    for table in tables:
+        for b in table:
+            refs[b] += 1
+    for block in allocator.blocks:
+        if block.ref_count != refs[block.block_id]:
+            raise AssertionError(f"{what} {block.block_id}: ref_count {block.ref_count} "
+                                 f"but {refs[block.block_id]} table references")
+        in_free = block.block_id in allocator.free_queue
+        if in_free != (block.ref_count == 0):
+            raise AssertionError(f"{what} {block.block_id}: ref_count {block.ref_count}, "
+                                 f"in free queue: {in_free}")
+    return refs
+
+
 class BlockManager:
     """Per-sequence block tables on top of a `BlockAllocator` (see the module docstring)."""
 
@@ -420,18 +438,7 @@ class BlockManager:
         Used by the property tests; cheap enough to call from a notebook after every step.
         """
         a = self.allocator
-        refs = [0] * a.num_blocks
-        for table in self.block_tables.values():
-            for b in table:
-                refs[b] += 1
-        for block in a.blocks:
-            if block.ref_count != refs[block.block_id]:
-                raise AssertionError(f"block {block.block_id}: ref_count {block.ref_count} "
-                                     f"but {refs[block.block_id]} table references")
-            in_free = block.block_id in a.free_queue
-            if in_free != (block.ref_count == 0):
-                raise AssertionError(f"block {block.block_id}: ref_count {block.ref_count}, "
-                                     f"in free queue: {in_free}")
+        refs = _check_ref_counts(a, self.block_tables.values(), "block")
         for h, b in a.hash_to_block.items():
             if a.blocks[b].block_hash != h:
                 raise AssertionError(f"hash index points at block {b} whose hash differs")
@@ -444,14 +451,4 @@ class BlockManager:
             raise AssertionError(f"num_block_refs {self.num_block_refs} != {sum(refs)} "
                                  "table entries")
         if self.cpu_allocator is not None:
-            c = self.cpu_allocator
-            cpu_refs = [0] * c.num_blocks
-            for table in self.cpu_block_tables.values():
-                for b in table:
-                    cpu_refs[b] += 1
-            for block in c.blocks:
-                if block.ref_count != cpu_refs[block.block_id]:
-                    raise AssertionError(f"CPU block {block.block_id}: ref_count {block.ref_count} "
-                                         f"but {cpu_refs[block.block_id]} table references")
-                if (block.block_id in c.free_queue) != (block.ref_count == 0):
-                    raise AssertionError(f"CPU block {block.block_id}: free queue disagrees")
+            _check_ref_counts(self.cpu_allocator, self.cpu_block_tables.values(), "CPU block")

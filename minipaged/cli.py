@@ -27,7 +27,7 @@ DEMO_OPENINGS = [
 ]
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -37,18 +37,20 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--device", default="auto")
     p.add_argument("--attention-backend", default=None, choices=[None, "torch_ref", "triton"])
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
-def _engine_kwargs(a) -> dict:
+def engine_kwargs(a) -> dict:
     return dict(dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
                 num_blocks=a.num_blocks, gpu_memory_utilization=a.gpu_memory_utilization,
-                device=a.device, attention_backend=a.attention_backend)
+                device=a.device, attention_backend=a.attention_backend,
+                enforce_eager=a.enforce_eager)
 
 
 def cmd_generate(a) -> int:
     from minipaged import LLM, SamplingParams
-    llm = LLM(a.model, **_engine_kwargs(a))
+    llm = LLM(a.model, **engine_kwargs(a))
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             max_tokens=a.max_tokens, seed=a.seed)
     for out in llm.generate(a.prompt, params, use_tqdm=False):
@@ -123,7 +125,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
-    _add_engine_args(g)
+    add_engine_args(g)
     sub.add_parser("bench", help="throughput vs HF baselines (see `minipaged bench --help`)")
     sub.add_parser("serve", help="OpenAI-compatible server (see `minipaged serve --help`)")
     a = ap.parse_args(argv)
