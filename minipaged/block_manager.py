@@ -313,7 +313,9 @@ class BlockManager:
         hashes = self._hashes[seq.seq_id]
         table = self.block_tables[seq.seq_id]
         bs = self.block_size
-        num_full = min(seq.num_computed_tokens // bs, len(table))
+        # Only blocks whose tokens are all known (async scheduling leaves placeholders at the end).
+        known = min(seq.num_computed_tokens, seq.num_tokens - seq.num_pending_tokens)
+        num_full = min(known // bs, len(table))
         for i in range(len(hashes), num_full):
             chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = hash_block(hashes[-1] if hashes else None, chunk)

@@ -34,6 +34,9 @@ class EngineConfig:
     attention_backend: Optional[str] = None  # None: "triton" on CUDA, "torch_ref" elsewhere
     record_block_tables: bool = False  # snapshot every block table into the trace (lessons)
     enforce_eager: bool = False  # True: never replay decode steps from CUDA graphs
+    # Plan and launch step t+1 while the GPU still runs step t; read step t's tokens one step
+    # late (engine.py). None: on for CUDA, off on the CPU (no overlap to gain there).
+    async_scheduling: Optional[bool] = None
 
     def validate(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

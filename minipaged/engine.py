@@ -35,9 +35,9 @@ from minipaged.model_runner import ModelRunner
 from minipaged.models.config import ModelConfig, parse_dtype
 from minipaged.models.loader import load_model, load_tokenizer, resolve_model
 from minipaged.outputs import CompletionOutput, RequestOutput
-from minipaged.sampling import SamplingParams, Sampler
+from minipaged.sampling import SamplerOutput, SamplingParams, Sampler
 from minipaged.scheduler import Scheduler, SchedulerOutput
-from minipaged.sequence import Sequence, SequenceGroup, SequenceStatus
+from minipaged.sequence import PLACEHOLDER, Sequence, SequenceGroup, SequenceStatus
 from minipaged.trace import ScheduledEntry, StepRecord
 
 
@@ -79,6 +79,31 @@ def detokenize_incrementally(tokenizer, seq: Sequence) -> None:
     if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
         seq.output_text += new_text[len(prefix_text):]
         seq.detok_prefix_offset, seq.detok_read_offset = seq.detok_read_offset, len(ids)
+
+
+class PendingStep:
+    """A step's sampled tokens on their way to the host (async scheduling).
+
+    Row i of `tokens` is the next token of `seqs[i]`. The copy into pinned host memory starts
+    at once and does not block; `host_tokens()` waits for it (and so for that step) only.
+    """
+
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor):
+        self.seqs = seqs
+        self.tokens = tokens  # (num_seqs,) int64 on the device: the next step's input ids
+        self.row_of = {seq.seq_id: i for i, seq in enumerate(seqs)}
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = tokens, None
+
+    def host_tokens(self) -> list[int]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
 
 
 def resolve_device(device: str) -> torch.device:
@@ -123,6 +148,9 @@ class LLMEngine:
                                         max_model_len=config.max_model_len,
                                         enforce_eager=config.enforce_eager)
         self.sampler = Sampler(seed=config.seed, eos_token_ids=self.eos_token_ids)
+        self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self._pending: Optional[PendingStep] = None  # async scheduling: tokens not read yet
         self.requests: dict[str, Sequence] = {}  # unfinished requests: their first sequence
         self.groups: dict[str, SequenceGroup] = {}  # ... those with n > 1 or a beam search
         self.trace: list[StepRecord] = []
@@ -252,7 +280,7 @@ class LLMEngine:
                     self.scheduler.finish(s, SequenceStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._pending is not None
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -266,27 +294,88 @@ class LLMEngine:
         if self.groups and sched.preempted:
             self._drop_beam_logits(sched.preempted)
         if sched.is_empty:
-            if sched.preempted:  # all it could do was make room (a group that outgrew the cache)
-                self._record(sched, [], t0)
-                return []
+            if self._pending is not None or sched.preempted:
+                # Nothing to run, but last step's tokens to read (async scheduling), or all it
+                # could do was make room (a group that outgrew the cache).
+                outputs, finished = self._resolve_pending()
+                self._record(sched, finished, t0)
+                return outputs
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not make progress: no sequence fits in the "
                                    "KV cache (this is a bug; the config check should prevent it)")
             return []
-        logits = self.model_runner.execute(sched)
+        # The forward is queued on the GPU; nothing below waits for it until tokens are read.
+        logits = self.model_runner.execute(sched, self._pending)
         sampling = [s.seq for s in sched.scheduled if s.samples]
         for s in sched.scheduled:  # their K/V are in the cache now
             s.seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.cache_full_blocks(s.seq)
+        if sampling and self._can_defer(sampling):
+            # Async scheduling: sample on the GPU, start copying the tokens to the host, and
+            # while the GPU works, finish the *previous* step on the host (its tokens are ready).
+            pending = PendingStep(sampling, self.sampler.sample(logits, sampling))
+            for seq in sampling:
+                self._add_placeholder(seq)
+            outputs, finished = self._resolve_pending()
+            self._pending = pending
+            self._record(sched, finished, t0)
+            return outputs
+        outputs, finished = self._resolve_pending()  # this step needs every earlier token
         ready_beams: list[SequenceGroup] = []
         if self.groups:  # n > 1 or beam search in flight (lesson 06)
             logits, sampling, ready_beams = self._split_groups(logits, sampling)
         sampler_out = self.sampler(logits, sampling) if sampling else None
-        outputs, finished = self._process(sampling, sampler_out)
+        more_outputs, more_finished = self._process(sampling, sampler_out)
+        outputs += more_outputs
+        finished += more_finished
         for group in ready_beams:
             outputs += self._beam_step(group, finished)
         self._record(sched, finished, t0)
         return outputs
+
+    # --- async scheduling -------------------------------------------------------------------
+    # A synchronous step ends by copying the sampled tokens to the host and waiting for them, so
+    # the GPU idles while the host checks stops, schedules and prepares the next step. With async
+    # scheduling the host appends a PLACEHOLDER for each sampled token, plans the next step with
+    # it (the lengths are all it needs: the next step's input ids are gathered from the sampled
+    # tensor on the GPU by the model runner), and reads the real tokens one step later. A
+    # sequence that turns out to have stopped (EOS, stop string) has computed one token in vain;
+    # its placeholder is dropped. One that reaches max_tokens is known to stop in advance.
+    def _can_defer(self, sampling: list[Sequence]) -> bool:
+        """Tokens can be read a step late unless something needs them (or their logprobs) now."""
+        if not self.async_scheduling or self.groups:
+            return False
+        return not any(s.sampling_params.logprobs is not None or s.sampling_params.has_penalties
+                       for s in sampling)
+
+    def _add_placeholder(self, seq: Sequence) -> None:
+        seq.append_token(PLACEHOLDER)
+        seq.num_pending_tokens += 1
+        p = seq.sampling_params
+        if ((p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens)
+                or seq.num_tokens >= self.config.max_model_len):
+            seq.stop_pending = True
+
+    def _resolve_pending(self) -> tuple[list[RequestOutput], list[str]]:
+        """Read the previous step's tokens and process them as a synchronous step would have."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return [], []
+        tokens = pending.host_tokens()  # waits for that step only; the current one keeps running
+        later = []  # placeholders added after this one (the step now running), per sequence
+        for seq in pending.seqs:
+            k = seq.num_pending_tokens
+            later.append(k - 1)
+            if k:
+                del seq.token_ids[-k:], seq.output_token_ids[-k:]
+            seq.num_pending_tokens = 0
+        outputs, finished = self._process(pending.seqs, SamplerOutput(token_ids=tokens))
+        for seq, k in zip(pending.seqs, later):
+            if k > 0 and not seq.is_finished:  # it is in the running step: keep its place
+                for _ in range(k):
+                    seq.append_token(PLACEHOLDER)
+                seq.num_pending_tokens = k
+        return outputs, finished
 
     def _swap(self, sched: SchedulerOutput) -> None:
         swap_out_blocks(self.kv_cache, self.cpu_cache, sched.blocks_to_swap_out)
@@ -372,6 +461,8 @@ class LLMEngine:
         finished: list[str] = []
         touched: dict[str, SequenceGroup] = {}  # groups with a sample this step
         for row, seq in enumerate(sampling):
+            if seq.is_finished:  # aborted, or stopped by a token read late (async scheduling)
+                continue
             token = sampler_out.token_ids[row]
             seq.append_token(token)
             if seq.first_token_time is None:

@@ -82,8 +82,8 @@ def copy_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
     """Copy-on-write: duplicate whole blocks, every layer, K and V at once."""
     if not copies:
         return
-    src = torch.tensor([s for s, _ in copies], device=kv_cache.device)
-    dst = torch.tensor([d for _, d in copies], device=kv_cache.device)
+    src = torch.tensor([s for s, _ in copies]).to(kv_cache.device, non_blocking=True)
+    dst = torch.tensor([d for _, d in copies]).to(kv_cache.device, non_blocking=True)
     kv_cache[:, :, dst] = kv_cache[:, :, src]
 
 

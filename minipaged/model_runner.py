@@ -44,8 +44,12 @@ class ModelRunner:
                                                 block_size=self.block_size, device=device)
             self.graph_runner.capture()
 
-    def prepare_inputs(self, sched: SchedulerOutput):
-        """Flatten the step into tensors: (input_ids, positions, attn_metadata, sample_rows)."""
+    def prepare_inputs(self, sched: SchedulerOutput, pending=None):
+        """Flatten the step into tensors: (input_ids, positions, attn_metadata, sample_rows).
+
+        With async scheduling a decode's input token may still be a PLACEHOLDER: the token the
+        previous step sampled, which is only on the GPU (`pending.tokens`). It is gathered there.
+        """
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -54,10 +58,17 @@ class ModelRunner:
         context_lens: list[int] = []
         tables: list[list[int]] = []
         sample_rows: list[int] = []  # index (in input_ids) of the last token of sampling sequences
+        from_gpu: list[int] = []  # input_ids index <- ...
+        gpu_rows: list[int] = []  # ... row of pending.tokens (async scheduling)
         for s in sched.scheduled:
             seq, n = s.seq, s.num_new_tokens
             start = seq.num_computed_tokens
             table = self.block_manager.get_block_table(seq)
+            if seq.num_pending_tokens:  # its newest token is still on the GPU
+                if n != 1 or pending is None or seq.seq_id not in pending.row_of:
+                    raise RuntimeError(f"{seq!r}: input token not sampled by the previous step")
+                from_gpu.append(len(input_ids))
+                gpu_rows.append(pending.row_of[seq.seq_id])
             if n == 1:  # decode: the common case, kept cheap
                 input_ids.append(seq.token_ids[start])
                 positions.append(start)
@@ -97,13 +108,19 @@ class ModelRunner:
             block_size=bs,
             num_decode_tokens=sum(1 for n in query_lens if n == 1),
         )
-        return tensor(input_ids, torch.int64), tensor(positions, torch.int64), metadata, sample_rows
+        ids = tensor(input_ids, torch.int64)
+        if from_gpu:  # (num_tokens,): the placeholders' real values, gathered on the device
+            ids[tensor(from_gpu, torch.int64)] = pending.tokens[tensor(gpu_rows, torch.int64)]
+        return ids, tensor(positions, torch.int64), metadata, sample_rows
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> torch.Tensor:
-        """Run one step; returns fp32 logits (num_sampling_seqs, vocab)."""
+    def execute(self, sched: SchedulerOutput, pending=None) -> torch.Tensor:
+        """Queue one step; returns fp32 logits (num_sampling_seqs, vocab) without waiting for them.
+
+        `pending` (engine.PendingStep): the previous step's sampled tokens, when the host has
+        not read them yet (async scheduling)."""
         copy_blocks(self.kv_cache, sched.blocks_to_copy)
-        input_ids, positions, metadata, sample_rows = self.prepare_inputs(sched)
+        input_ids, positions, metadata, sample_rows = self.prepare_inputs(sched, pending)
         graphs = self.graph_runner
         if graphs is not None and metadata.max_query_len == 1 and graphs.can_run(metadata.num_seqs):
             hidden = graphs.run(input_ids, positions, metadata)  # decode step: replay a graph
@@ -111,5 +128,6 @@ class ModelRunner:
             self.backend.prepare(metadata)
             hidden = self.model(input_ids, positions, self.kv_cache, metadata)  # (num_tokens, hidden)
         if len(sample_rows) != hidden.shape[0]:
-            hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
+            rows = torch.tensor(sample_rows, dtype=torch.long).to(self.device, non_blocking=True)
+            hidden = hidden[rows]
         return self.model.compute_logits(hidden)  # (num_sampling_seqs, vocab)

@@ -151,6 +151,12 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor, copied without making the host wait for the GPU
+    (`torch.tensor(values, device="cuda")` would wait for every queued kernel first)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 class Sampler:
     """Turns one step's last-token logits into next tokens for every sampled sequence."""
 
@@ -170,7 +176,18 @@ class Sampler:
         params = [s.sampling_params for s in seqs]
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
+        tokens = self.sample(logits, seqs)
+        token_list = tokens.tolist()  # the step's one host sync
+        out = SamplerOutput(token_ids=token_list)
+        if raw_logprobs is not None:
+            self._gather_logprobs(raw_logprobs, tokens, params, out)
+        return out
 
+    @torch.no_grad()
+    def sample(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+        """The next token of every row, as a tensor on the logits' device. Never waits for the
+        GPU (async scheduling reads the tokens a step later); logprobs need `__call__`."""
+        params = [s.sampling_params for s in seqs]
         banned_rows = [i for i, s in enumerate(seqs)
                        if s.num_output_tokens < s.sampling_params.min_tokens]
         if banned_rows or any(p.has_penalties for p in params):
@@ -180,37 +197,36 @@ class Sampler:
                 if not seqs[i].sampling_params.ignore_eos:
                     ban += self.eos_token_ids
                 if ban:
-                    logits[i, ban] = float("-inf")
+                    logits[i, _to_device(ban, torch.int64, logits.device)] = float("-inf")
 
         if all(p.greedy for p in params):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._sample(logits, seqs)
-        token_list = tokens.tolist()
-        out = SamplerOutput(token_ids=token_list)
-        if raw_logprobs is not None:
-            self._gather_logprobs(raw_logprobs, tokens, params, out)
-        return out
+            return logits.argmax(dim=-1)
+        return self._sample(logits, seqs)
 
     def _sample(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
         device = logits.device
         params = [s.sampling_params for s in seqs]
-        greedy = torch.tensor([p.greedy for p in params], device=device)
-        greedy_tokens = logits.argmax(dim=-1)
-        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
-        scaled = logits / temps[:, None]
+        any_greedy = any(p.greedy for p in params)
+        temps = [1.0 if p.greedy else p.temperature for p in params]
+        if len(set(temps)) == 1:  # one temperature for the whole batch: no per-row tensor
+            scaled = logits / temps[0]
+        else:
+            scaled = logits / _to_device(temps, torch.float32, device)[:, None]
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
             scaled = apply_top_k_top_p_min_p(
                 scaled,
-                torch.tensor([p.top_k for p in params], device=device),
-                torch.tensor([p.top_p for p in params], device=device),
-                torch.tensor([p.min_p for p in params], device=device))
+                _to_device([p.top_k for p in params], torch.int64, device),
+                _to_device([p.top_p for p in params], torch.float32, device),
+                _to_device([p.min_p for p in params], torch.float32, device))
         probs = scaled.softmax(dim=-1)
         # Exponential race: argmax(p / E), E ~ Exp(1), is a draw from p.
-        noise = torch.empty_like(probs)
         unseeded = [i for i, p in enumerate(params) if p.seed is None and not p.greedy]
+        if len(unseeded) == len(params):  # the common case: one draw for the whole batch
+            noise = torch.empty_like(probs).exponential_(generator=self._engine_generator(device))
+            return (probs / noise).argmax(dim=-1)
+        noise = torch.empty_like(probs)
         if unseeded:
-            idx = torch.tensor(unseeded, device=device)
+            idx = _to_device(unseeded, torch.int64, device)
             noise[idx] = torch.empty((len(unseeded), probs.shape[1]), device=device).exponential_(
                 generator=self._engine_generator(device))
         for i, (seq, p) in enumerate(zip(seqs, params)):
@@ -221,7 +237,10 @@ class Sampler:
             elif p.greedy:
                 noise[i] = 1.0
         sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, greedy_tokens, sampled)
+        if not any_greedy:
+            return sampled
+        greedy = _to_device([p.greedy for p in params], torch.bool, device)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
     @staticmethod
     def _gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params, out: SamplerOutput):

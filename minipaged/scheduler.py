@@ -120,6 +120,8 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if seq.stop_pending:
+                continue  # async scheduling: its last token (still on the GPU) is its last one
             n = min(seq.num_uncomputed_tokens, budget)
             if n == 0:
                 continue  # a beam whose logits wait for its siblings' (beam_search.py)

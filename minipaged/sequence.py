@@ -47,6 +47,10 @@ class SequenceStatus(enum.Enum):
 
 _seq_counter = itertools.count()
 
+# Async scheduling (engine.py): a token the GPU has sampled but the host has not read yet. It holds
+# the token's place in `token_ids` so every length is right while the next step is planned.
+PLACEHOLDER = -1
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -80,6 +84,11 @@ class Sequence:
     group: Optional["SequenceGroup"] = field(default=None, repr=False)
     index: int = 0  # which of the group's samples (its CompletionOutput.index); beams: a counter
     recompute_until: int = 0  # tokens whose K/V a recompute preemption threw away (for the trace)
+    # Async scheduling: PLACEHOLDER tokens at the end of token_ids (and output_token_ids) whose
+    # values are still on the GPU; and "its last placeholder reaches max_tokens / max_model_len",
+    # so the scheduler gives it no further step while the engine waits to read that token.
+    num_pending_tokens: int = 0
+    stop_pending: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:
