@@ -38,6 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--attention-backend", default=None, choices=[None, "torch_ref", "triton"])
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="read every step's tokens before planning the next (default on CUDA: "
+                        "plan step t+1 while the GPU runs step t)")
 
 
 def engine_kwargs(a) -> dict:
@@ -45,7 +48,8 @@ def engine_kwargs(a) -> dict:
                 max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
                 num_blocks=a.num_blocks, gpu_memory_utilization=a.gpu_memory_utilization,
                 device=a.device, attention_backend=a.attention_backend,
-                enforce_eager=a.enforce_eager)
+                enforce_eager=a.enforce_eager,
+                async_scheduling=False if a.no_async_scheduling else None)
 
 
 def cmd_generate(a) -> int:

@@ -160,10 +160,14 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
 class Sampler:
     """Turns one step's last-token logits into next tokens for every sampled sequence."""
 
-    def __init__(self, seed: int = 0, eos_token_ids: Seq[int] = ()):
+    def __init__(self, seed: int = 0, eos_token_ids: Seq[int] = (), use_kernel: Optional[bool] = None):
         self.generator: Optional[torch.Generator] = None
         self.seed = seed
         self.eos_token_ids = list(eos_token_ids)
+        # The one-pass Triton kernel for plain temperature sampling (sampling_kernels.py).
+        # None: on CUDA only; True on the CPU needs TRITON_INTERPRET=1 (tests).
+        self.use_kernel = use_kernel
+        self._host_generator = torch.Generator().manual_seed(seed)  # the kernel's per-step seeds
 
     def _engine_generator(self, device: torch.device) -> torch.Generator:
         if self.generator is None or self.generator.device != device:
@@ -201,7 +205,19 @@ class Sampler:
 
         if all(p.greedy for p in params):
             return logits.argmax(dim=-1)
+        if self._kernel_applies(logits, params):  # banned tokens (-inf) never win there either
+            from minipaged.sampling_kernels import gumbel_sample
+            inv_t = _to_device([0.0 if p.greedy else 1.0 / p.temperature for p in params],
+                               torch.float32, logits.device)
+            seed = int(torch.randint(2**31 - 1, (1,), generator=self._host_generator))
+            return gumbel_sample(logits, inv_t, seed)
         return self._sample(logits, seqs)
+
+    def _kernel_applies(self, logits: torch.Tensor, params: list[SamplingParams]) -> bool:
+        """Plain temperature (or greedy) rows without a seed: one pass of the Triton kernel."""
+        use = logits.is_cuda if self.use_kernel is None else self.use_kernel
+        return use and all(p.greedy or (p.seed is None and p.top_k == 0 and p.top_p == 1.0
+                                        and p.min_p == 0.0) for p in params)
 
     def _sample(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
         device = logits.device

@@ -1,7 +1,7 @@
 """Async scheduling (engine.py): step t+1 is planned before step t's tokens are read.
 
-On the GPU this hides the host's work behind the forward; here it runs on the CPU (forced on),
-where only its logic matters: every request must end exactly as with synchronous steps, with
+On the GPU this hides the host's work behind the forward (tests/test_gpu.py runs it there, as the
+CUDA default); here it runs on the CPU, forced on, where only its logic matters: every request must end exactly as with synchronous steps, with
 placeholders never leaking into outputs, prefix-cache hashes or the block pool.
 """
 import json
@@ -16,7 +16,8 @@ from minipaged.sequence import PLACEHOLDER
 
 
 def _run(async_scheduling, prompts, params, **kw):
-    llm = LLM("stories260K", async_scheduling=async_scheduling, block_size=8, seed=1, **kw)
+    llm = LLM("stories260K", async_scheduling=async_scheduling, block_size=8, seed=1, device="cpu",
+              **kw)
     outs = llm.generate(prompts, params, use_tqdm=False)
     eng = llm.engine
     assert not eng.has_unfinished_requests()
@@ -71,7 +72,7 @@ def test_async_with_eos_and_max_model_len(tmp_path):
     for a in (False, True):
         n_long = len(_token_ids(tmp_path / "hf", long))
         llm = LLM(str(tmp_path / "hf"), async_scheduling=a, max_model_len=n_long + 3,
-                  num_blocks=64)
+                  num_blocks=64, device="cpu")
         outs = llm.generate(prompts, params, use_tqdm=False)
         res.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
         assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
@@ -89,7 +90,7 @@ def test_async_falls_back_for_groups_logprobs_and_penalties():
               SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=20)]
     res = []
     for a in (False, True):
-        llm = LLM("stories260K", async_scheduling=a)
+        llm = LLM("stories260K", async_scheduling=a, device="cpu")
         outs = llm.generate(prompts + ["Tom"], params + [SamplingParams(temperature=0)],
                             use_tqdm=False)
         res.append([[(c.token_ids, c.text, c.logprobs) for c in o.outputs] for o in outs])
@@ -98,7 +99,7 @@ def test_async_falls_back_for_groups_logprobs_and_penalties():
 
 def test_async_prefix_cache_hashes_only_real_tokens():
     """Full blocks are published to the prefix cache only once their tokens are known."""
-    llm = LLM("stories260K", async_scheduling=True, block_size=4)
+    llm = LLM("stories260K", async_scheduling=True, block_size=4, device="cpu")
     sp = SamplingParams(temperature=0, max_tokens=30)
     first = llm.generate("Once upon a time", sp, use_tqdm=False)[0]
     # The whole first conversation (prompt + output) as a new prompt hits the cached blocks.
@@ -110,7 +111,7 @@ def test_async_prefix_cache_hashes_only_real_tokens():
 
 
 def test_async_abort_while_a_token_is_pending():
-    llm = LLM("stories260K", async_scheduling=True, num_blocks=64)
+    llm = LLM("stories260K", async_scheduling=True, num_blocks=64, device="cpu")
     eng = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=50)
     eng.add_request("a", "Once upon a time", sp)
@@ -123,13 +124,13 @@ def test_async_abort_while_a_token_is_pending():
     while eng.has_unfinished_requests():
         outs += eng.step()
     assert [o.request_id for o in outs if o.finished] == ["b"]
-    ref = LLM("stories260K", async_scheduling=False).generate("The cat", sp, use_tqdm=False)[0]
+    ref = LLM("stories260K", async_scheduling=False, device="cpu").generate("The cat", sp, use_tqdm=False)[0]
     assert outs[-1].outputs[0].token_ids == ref.outputs[0].token_ids
     assert eng.block_manager.num_free_blocks == eng.num_blocks
 
 
 def test_async_streaming_text_matches_final_text():
-    llm = LLM("stories260K", async_scheduling=True)
+    llm = LLM("stories260K", async_scheduling=True, device="cpu")
     eng = llm.engine
     eng.stream_outputs = True
     eng.add_request("s", "Once upon a time", SamplingParams(temperature=0, max_tokens=25))

@@ -415,3 +415,44 @@ def test_sampling_params_edge_values_are_accepted_and_normalized():
     assert p.greedy and p.top_k == 0 and p.stop == ["x"] and p.stop_token_ids == []
     assert p.has_penalties
     assert not SamplingParams().has_penalties and not SamplingParams().greedy
+
+
+# --- the one-pass Triton kernel (sampling_kernels.py; the CUDA default, here interpreted) -----
+def test_kernel_temperature_sampling_matches_softmax():
+    """The interpreter is slow (a few ms per row), so few draws here; tests/test_gpu.py repeats
+    this with 60,000 draws on the GPU."""
+    pytest.importorskip("triton")
+    temperature = 0.5
+    logits = torch.tensor([1.0, 0.2, -0.5, 0.8, -1.5, 0.0])
+    n = 400  # one program per row: every row is an independent draw
+    seq = make_seq([1], temperature=temperature)
+    sampler = Sampler(seed=7, use_kernel=True)
+    assert sampler._kernel_applies(logits[None], [seq.sampling_params])
+    tokens = sampler(logits.repeat(n, 1), [seq] * n).token_ids
+    counts = torch.bincount(torch.tensor(tokens), minlength=6).double()
+    probs = (logits.double() / temperature).softmax(-1)
+    assert chi_square(counts, probs) < 30.0, (counts / n, probs)
+    wrong = (logits.double() / (temperature * 3)).softmax(-1)
+    assert chi_square(counts, wrong) > 100.0
+    # The next step draws fresh numbers (a new seed from the engine's generator).
+    again = sampler(logits.repeat(n, 1), [seq] * n).token_ids
+    assert again != tokens
+
+
+def test_kernel_greedy_rows_banned_tokens_and_fallbacks():
+    pytest.importorskip("triton")
+    gen = torch.Generator().manual_seed(5)
+    logits = distinct_logits(gen, 8, 3000)  # several tiles of the kernel's loop
+    seqs = [make_seq([1], temperature=0.0 if r % 2 == 0 else 1.0) for r in range(8)]
+    sampler = Sampler(seed=0, use_kernel=True, eos_token_ids=[EOS])
+    tokens = sampler(logits, seqs).token_ids
+    for r in range(0, 8, 2):
+        assert tokens[r] == int(logits[r].argmax())
+    # min_tokens bans EOS by -inf logits; the kernel never picks them.
+    hot = torch.zeros(20, 16)
+    hot[:, EOS] = 20.0
+    young = make_seq([1], temperature=1.0, min_tokens=2)
+    assert EOS not in sampler(hot, [young] * 20).token_ids
+    # Seeds and top-k/top-p need the torch path (per-request generators, sorted filters).
+    for p in (dict(seed=3), dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1)):
+        assert not sampler._kernel_applies(logits, [make_seq([1], temperature=1.0, **p).sampling_params])
