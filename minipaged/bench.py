@@ -117,6 +117,7 @@ def run_minipaged(llm, wl: Workload, temperature: float = 0.0) -> BenchResult:
     llm.generate(wl.prompts[:2], params[:2], use_tqdm=False)  # warm-up
     if llm.engine.device.type == "cuda":
         torch.cuda.synchronize()
+    first_step = len(llm.engine.trace)
     t0 = time.perf_counter()
     outs = llm.generate(wl.prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
@@ -128,7 +129,18 @@ def run_minipaged(llm, wl: Workload, temperature: float = 0.0) -> BenchResult:
     return _result("minipaged", len(outs), cfg.max_num_seqs, elapsed, tokens,
                    ttft_ms=_percentiles(ttft), itl_ms=_percentiles(itl),
                    preemptions=sum(o.metrics["num_preemptions"] for o in outs),
+                   **step_breakdown(llm.engine.trace[first_step:]),
                    **bandwidth(llm, wl, elapsed))
+
+
+def step_breakdown(trace) -> dict:
+    """Where the wall time went, from the engine's trace: steps with prefill tokens vs decode-only
+    steps, and how long the host waited for the GPU (async scheduling; 0 when synchronous)."""
+    prefill = [r for r in trace if r.num_prefill_tokens]
+    decode = [r for r in trace if r.num_batched_tokens and not r.num_prefill_tokens]
+    return {"prefill_steps": len(prefill), "prefill_sec": round(sum(r.duration for r in prefill), 3),
+            "decode_steps": len(decode), "decode_sec": round(sum(r.duration for r in decode), 3),
+            "host_wait_sec": round(sum(r.wait_time for r in trace), 3)}
 
 
 def bandwidth(llm, wl: Workload, elapsed: float) -> dict:

@@ -37,6 +37,9 @@ class ModelRunner:
         self.device = device
         self.block_size = block_manager.block_size
         self.graph_runner = None
+        # Order the flat batch by context length, longest first (GPU only; the lessons print
+        # the CPU's batches in scheduler order).
+        self.longest_first = device.type == "cuda"
         if device.type == "cuda" and not enforce_eager and backend.name == "triton":
             from minipaged.cuda_graphs import CUDAGraphRunner
             self.graph_runner = CUDAGraphRunner(model, kv_cache, backend, max_num_seqs=max_num_seqs,
@@ -57,10 +60,18 @@ class ModelRunner:
         query_lens: list[int] = []
         context_lens: list[int] = []
         tables: list[list[int]] = []
-        sample_rows: list[int] = []  # index (in input_ids) of the last token of sampling sequences
+        # index (in input_ids) of the last token of each sampling sequence, in scheduler order
+        sample_row: dict[int, int] = {}
         from_gpu: list[int] = []  # input_ids index <- ...
         gpu_rows: list[int] = []  # ... row of pending.tokens (async scheduling)
-        for s in sched.scheduled:
+        entries = sched.scheduled
+        if self.longest_first:
+            # The attention kernel's programs start in this order and the GPU hands out
+            # programs as SMs free up: longest contexts first keeps a short one from finishing
+            # the step alone (the sampled rows are gathered back into scheduler order below).
+            entries = sorted(entries, key=lambda s: s.seq.num_computed_tokens + s.num_new_tokens,
+                             reverse=True)
+        for s in entries:
             seq, n = s.seq, s.num_new_tokens
             start = seq.num_computed_tokens
             table = self.block_manager.get_block_table(seq)
@@ -82,7 +93,7 @@ class ModelRunner:
             context_lens.append(start + n)
             tables.append(table)
             if s.samples:
-                sample_rows.append(len(input_ids) - 1)
+                sample_row[id(s)] = len(input_ids) - 1
         # Block tables, padded with 0: one flat list scattered into place (cheap for 256 sequences).
         lens = torch.tensor([len(t) for t in tables])
         padded = torch.zeros((len(tables), int(lens.max())), dtype=torch.int32)
@@ -108,6 +119,7 @@ class ModelRunner:
             block_size=bs,
             num_decode_tokens=sum(1 for n in query_lens if n == 1),
         )
+        sample_rows = [sample_row[id(s)] for s in sched.scheduled if s.samples]
         ids = tensor(input_ids, torch.int64)
         if from_gpu:  # (num_tokens,): the placeholders' real values, gathered on the device
             ids[tensor(from_gpu, torch.int64)] = pending.tokens[tensor(gpu_rows, torch.int64)]
@@ -127,7 +139,7 @@ class ModelRunner:
         else:
             self.backend.prepare(metadata)
             hidden = self.model(input_ids, positions, self.kv_cache, metadata)  # (num_tokens, hidden)
-        if len(sample_rows) != hidden.shape[0]:
+        if sample_rows != list(range(hidden.shape[0])):
             rows = torch.tensor(sample_rows, dtype=torch.long).to(self.device, non_blocking=True)
             hidden = hidden[rows]
         return self.model.compute_logits(hidden)  # (num_sampling_seqs, vocab)

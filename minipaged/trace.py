@@ -53,6 +53,9 @@ class StepRecord:
     swapped_in: list[str] = field(default_factory=list)
     num_swapped_bytes: int = 0  # K/V bytes copied to and from the CPU pool this step
     num_recomputed_tokens: int = 0  # prefill tokens whose K/V a recompute preemption had dropped
+    # Async scheduling (lesson 08): seconds this step's host work waited for the previous step's
+    # tokens. Near 0: the host is the bottleneck; a large share of `duration`: the GPU is.
+    wait_time: float = 0.0
 
     @property
     def num_prefill_tokens(self) -> int:

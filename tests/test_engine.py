@@ -257,3 +257,17 @@ def test_incremental_detokenization_matches_full_decoding(llm):
             assert seq.output_text == detokenize(tok, seq.prompt_token_ids, seq.output_token_ids, True)
         assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))  # text only ever grows
         assert held_back > 0  # the multi-byte path was exercised
+
+
+def test_longest_first_batch_order_changes_no_token():
+    """On the GPU the model runner orders each step's batch longest context first (the attention
+    kernel's load balance); logits rows must still come back in the scheduler's order."""
+    prompts = ["Once upon a time", "The cat sat on the mat and looked at the", "Tom",
+               "Lily went to the park with her mom and"]
+    sp = [SamplingParams(temperature=0, max_tokens=n) for n in (30, 12, 25, 18)]
+    res = []
+    for longest_first in (False, True):
+        llm = LLM("stories260K", max_num_batched_tokens=16)  # chunked prefills mix in
+        llm.engine.model_runner.longest_first = longest_first
+        res.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
+    assert res[0] == res[1]
