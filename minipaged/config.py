@@ -32,6 +32,10 @@ class EngineConfig:
     seed: int = 0
     device: str = "auto"
     attention_backend: Optional[str] = None  # None: "triton" on CUDA, "torch_ref" elsewhere
+    # Fused Triton kernels for norms + residual adds, SiLU-and-multiply, q/k norm + RoPE + K/V
+    # store (models/triton_ops.py). None: auto, on for CUDA with the triton backend. True needs
+    # attention_backend="triton" (on the CPU under TRITON_INTERPRET=1: slow, for tests).
+    fused_ops: Optional[bool] = None
     record_block_tables: bool = False  # snapshot every block table into the trace (lessons)
     enforce_eager: bool = False  # True: never replay decode steps from CUDA graphs
     # Plan and launch step t+1 while the GPU still runs step t; read step t's tokens one step

@@ -124,7 +124,8 @@ class LLMEngine:
         self.backend = get_attention_backend(config.attention_backend, str(self.device))
         torch.manual_seed(config.seed)
         self.model, self.model_config = load_model(self.source, self.dtype, self.device, self.backend,
-                                                   max_positions=config.max_model_len, seed=config.seed)
+                                                   max_positions=config.max_model_len, seed=config.seed,
+                                                   fused_ops=config.fused_ops)
         self.tokenizer = load_tokenizer(self.source, config.tokenizer)
         self.eos_token_ids = self._eos_ids()
 

@@ -1,7 +1,32 @@
-"""Shared helpers for the tests: tiny random HF models of each family, saved to disk."""
+"""Shared helpers for the tests: tiny random HF models of each family saved to disk, the
+stories260K reference ids, and the set-up of the Triton test modules."""
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
+
+# From stories260K's SOURCE.md: "Once upon a time", greedy, 40 new tokens (prompt included).
+STORIES_EXPECTED = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426,
+                    338, 401, 396, 267, 337, 410, 408, 419, 292, 411, 322, 265, 282, 295, 433, 426,
+                    385, 328, 432, 358, 394, 261, 370, 432, 352, 266, 268, 388, 426]
+
+
+# The Triton interpreter's loop bounds warn on numpy < 2.4, harmlessly: `pytestmark = ...`.
+IGNORE_INTERPRETER_WARNINGS = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+
+def triton_device() -> str:
+    """Where a Triton test module runs its kernels: "cuda" on a GPU, else "cpu" under the
+    interpreter. Call it at module level, before importing any kernel: it skips the whole module
+    without `triton`, or on the CPU without TRITON_INTERPRET=1 (tests/conftest.py sets it)."""
+    pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not set", allow_module_level=True)
+    return device
 
 
 def make_tiny_hf_model(family: str, path, seed: int = 0, dtype=torch.float64):

@@ -11,12 +11,7 @@ import torch
 from minipaged import LLM, SamplingParams
 from minipaged.baseline import load_hf_model
 from minipaged.models.loader import resolve_builtin
-from tests.helpers import hf_greedy, make_tiny_hf_model
-
-# From the model's SOURCE.md: "Once upon a time", greedy, 40 new tokens (prompt included).
-STORIES_EXPECTED = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426,
-                    338, 401, 396, 267, 337, 410, 408, 419, 292, 411, 322, 265, 282, 295, 433, 426,
-                    385, 328, 432, 358, 394, 261, 370, 432, 352, 266, 268, 388, 426]
+from tests.helpers import STORIES_EXPECTED, hf_greedy, make_tiny_hf_model
 
 
 def greedy(n, **kw):

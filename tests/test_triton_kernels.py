@@ -9,12 +9,13 @@ not touch, turns the output into NaN and fails.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
+from tests.helpers import IGNORE_INTERPRETER_WARNINGS, triton_device
+
+DEVICE = triton_device()  # skips this module where Triton kernels cannot run
 
 from minipaged.attention import get_attention_backend  # noqa: E402
 from minipaged.attention import triton_kernels as tk  # noqa: E402
@@ -22,12 +23,7 @@ from minipaged.attention.metadata import AttentionMetadata  # noqa: E402
 from minipaged.attention.torch_ref import TorchRefBackend, paged_attention_reference  # noqa: E402
 from minipaged.attention.triton_backend import TritonBackend  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings(  # the interpreter's loop bounds, harmless on numpy < 2.4
-    "ignore:Conversion of an array with ndim > 0:DeprecationWarning")
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no GPU and TRITON_INTERPRET is not set", allow_module_level=True)
+pytestmark = IGNORE_INTERPRETER_WARNINGS
 
 # |out - ref| <= atol + rtol * |ref|; the reference computes in fp32 and rounds once.
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}

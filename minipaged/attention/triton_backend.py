@@ -2,9 +2,11 @@
 
 Per step, `prepare` looks at the host copies of the step's lengths once (is this a decode-only
 step? how long is the longest context?) and leaves a `TritonPlan` on the metadata. Per layer,
-`forward` stores the new K/V into their slots and launches the attention kernel (plus the split-KV
-reduction when the plan splits). Launch shapes come from host ints only: `forward` never reads a
-device tensor back (no `.item()`, no `.tolist()`), so a decode step can be captured in a CUDA graph.
+`forward` stores the new K/V into their slots and calls `attend`, which launches the attention
+kernel (plus the split-KV reduction when the plan splits); a model with `fused_ops` stores K/V in
+its own fused kernel and calls `attend` directly. Launch shapes come from host ints only: neither
+reads a device tensor back (no `.item()`, no `.tolist()`), so a decode step can be captured in a
+CUDA graph.
 
 On the CPU this runs under the Triton interpreter (TRITON_INTERPRET=1): correct, and slow.
 """
@@ -97,12 +99,18 @@ class TritonBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        if metadata.plan is None or not isinstance(metadata.plan, TritonPlan):
-            self.prepare(metadata)
-        plan: TritonPlan = metadata.plan
         # 1. store: each new token's K/V into its slot (slot -1 = padding, skipped in the kernel)
         tk.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         # 2. attend over the cache, which now holds this step's keys too
+        return self.attend(q, k_cache, v_cache, metadata, scale)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention only: the step's K/V are already in the cache (`forward` stored them, or the
+        model's fused q/k/v kernel did, see `models/triton_ops.py`). Returns (num_tokens, heads, dim)."""
+        if metadata.plan is None or not isinstance(metadata.plan, TritonPlan):
+            self.prepare(metadata)
+        plan: TritonPlan = metadata.plan
         launch = self._launch(plan, q, k_cache)
         return tk.paged_attention(
             q, k_cache, v_cache, metadata.block_tables, metadata.context_lens,

@@ -11,7 +11,14 @@ The switches that separate the family members:
     Qwen3             per-head RMSNorm on q and k before RoPE  (ModelConfig.qk_norm)
 
 Like vLLM, q/k/v are one matmul (`qkv_proj`) and gate/up another (`gate_up_proj`); the loader
-stacks HF's separate weights into them.
+stacks HF's separate weights into them. Also like vLLM, the residual stream is threaded through
+the layers beside the hidden states: a layer returns `(hidden, residual)` and the next norm adds
+them (`RMSNorm.forward(x, residual)`), so that on the GPU the add fuses into the norm.
+
+`fused_ops=True` (the default on CUDA with the Triton backend, see `loader.load_model`) swaps the
+element-wise torch ops between the matrix multiplies for the Triton kernels of `triton_ops.py`:
+a residual add + RMSNorm, SiLU-and-multiply, and q/k norm + RoPE + K/V store each become one
+kernel. With `fused_ops=False` every op is plain torch, the path the CPU and the parity tests run.
 """
 from __future__ import annotations
 
@@ -25,16 +32,42 @@ from torch import nn
 from minipaged.attention import AttentionBackend, AttentionMetadata
 from minipaged.models.config import ModelConfig
 
+triton_ops = None  # minipaged.models.triton_ops, imported by the first model built with fused_ops
+
+
+def _import_triton_ops() -> None:
+    """Import the fused kernels only when asked for: they need `triton`, and on the CPU their
+    definition must wait until TRITON_INTERPRET=1 is set, so `import minipaged` never loads them."""
+    global triton_ops
+    from minipaged.models import triton_ops as ops
+    triton_ops = ops
+
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 exactly as HF does."""
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 exactly as HF does.
 
-    def __init__(self, dim: int, eps: float):
+    `forward(x, residual)` first adds the residual stream (x + residual, in x's dtype like HF) and
+    returns `(normed, new_residual)`; `forward(x)` returns `normed`.
+    """
+
+    def __init__(self, dim: int, eps: float, fused_ops: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused_ops = fused_ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.fused_ops:
+            # one kernel replaces the residual add and the norm's own kernels
+            if residual is None:
+                return triton_ops.rms_norm(x, self.weight, self.eps)
+            return triton_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual  # the residual stream after this layer's sublayer
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype in (torch.float32, torch.float64) or x.is_cuda:
             # One fused op. In fp32/fp64 it is bit-identical to the lines below; in bf16/fp16 it
             # keeps the normalised value in fp32 until after the weight (HF rounds it first), a
@@ -106,7 +139,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, fused_ops: bool = False):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -121,67 +154,106 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.backend = backend
+        self.fused_ops = fused_ops
 
     def forward(self, rope, hidden, kv_cache, attn_metadata: AttentionMetadata):
         n = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # (num_tokens, (heads + 2 * kv_heads) * head_dim)
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim)  # q heads, then k heads
-        v = v.view(n, self.num_kv_heads, self.head_dim)  # (num_tokens, kv_heads, head_dim)
-        if self.qk_norm:  # Qwen3: RMSNorm over each head's vector, before RoPE
-            qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), 1)
-        qk = apply_rope(qk, *rope)  # q and k rotate by the same angles: one pass for both
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata, self.scale)
+        if self.fused_ops:
+            # One kernel replaces the split and views below, the q/k norms and their cat, RoPE's
+            # roll / multiplies / add and store_kv: it writes K/V into the cache itself, so the
+            # backend only attends. rope = (positions, cos table, sin table), looked up in the kernel.
+            positions, cos, sin = rope
+            q_norm = self.q_norm.weight if self.qk_norm else None
+            k_norm = self.k_norm.weight if self.qk_norm else None
+            eps = self.q_norm.eps if self.qk_norm else 0.0
+            q = triton_ops.qkv_rope_store(qkv, positions, cos, sin, q_norm, k_norm, eps,
+                                          kv_cache[0], kv_cache[1], attn_metadata.slot_mapping,
+                                          self.num_heads, self.num_kv_heads, self.head_dim)
+            out = self.backend.attend(q, kv_cache[0], kv_cache[1], attn_metadata, self.scale)
+        else:
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            qk = qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim)  # q heads, then k heads
+            v = v.view(n, self.num_kv_heads, self.head_dim)  # (num_tokens, kv_heads, head_dim)
+            if self.qk_norm:  # Qwen3: RMSNorm over each head's vector, before RoPE
+                qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), 1)
+            qk = apply_rope(qk, *rope)  # q and k rotate by the same angles: one pass for both
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata, self.scale)
         return self.o_proj(out.reshape(n, self.q_size))  # (num_tokens, hidden)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, fused_ops: bool = False):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.fused_ops = fused_ops
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # SwiGLU
+        gate_up = self.gate_up_proj(x)  # (num_tokens, 2 * intermediate): [gate | up]
+        if self.fused_ops:  # one kernel replaces chunk, silu and the multiply
+            return self.down_proj(triton_ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # SwiGLU
         return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, fused_ops: bool = False):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend)
-        self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, backend, fused_ops)
+        self.mlp = LlamaMLP(cfg, fused_ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused_ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused_ops)
 
-    def forward(self, rope, hidden, kv_cache, attn_metadata):
-        residual = hidden
-        hidden = self.self_attn(rope, self.input_layernorm(hidden), kv_cache, attn_metadata)
-        hidden = residual + hidden
-        residual = hidden
-        return residual + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, rope, hidden, residual, kv_cache, attn_metadata):
+        """hidden: the previous layer's MLP output (the embeddings for the first layer, where
+        residual is None); returns this layer's MLP output and the residual stream before it."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:  # residual + previous MLP output, then the norm
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, kv_cache, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)  # residual += attention
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, fused_ops: bool = False):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, fused_ops)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused_ops)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Flat-token causal LM: `forward` returns hidden states, `compute_logits` the vocab scores."""
+    """Flat-token causal LM: `forward` returns hidden states, `compute_logits` the vocab scores.
+
+    `fused_ops=True` runs the element-wise work through `triton_ops.py`'s kernels; it needs the
+    Triton attention backend, whose `attend` reads the K/V that the fused kernel stores.
+    """
 
     # HF checkpoint names that are stacked into one of our parameters: (ours, theirs, shard index)
     stacked_params = [("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
                       ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
+                 fused_ops: bool = False):
         super().__init__()
+        backend_name = getattr(backend, "name", type(backend).__name__)
+        if fused_ops and backend_name != "triton":
+            raise ValueError(
+                f"fused_ops=True needs attention_backend='triton' (the fused q/k/v kernel stores "
+                f"K/V and the Triton backend's `attend` reads them), got {backend_name!r}. Use "
+                f"attention_backend='triton' (on the CPU with TRITON_INTERPRET=1 set before "
+                f"minipaged is imported), or fused_ops=False.")
+        if fused_ops:
+            _import_triton_ops()
         self.config = cfg
-        self.model = LlamaModel(cfg, backend)
+        self.fused_ops = fused_ops
+        self.model = LlamaModel(cfg, backend, fused_ops)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg, max_positions)
@@ -190,10 +262,15 @@ class LlamaForCausalLM(nn.Module):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: (num_tokens,); kv_caches: (layers, 2, blocks, block_size, kv_heads, dim)."""
         hidden = self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
-        rope = self.rotary(positions, hidden.dtype)  # (cos, sin), each (num_tokens, 1, head_dim)
+        if self.fused_ops:  # the fused kernel looks cos/sin up itself, from the fp32 tables
+            rope = (positions, self.rotary.cos, self.rotary.sin)
+        else:
+            rope = self.rotary(positions, hidden.dtype)  # (cos, sin), each (num_tokens, 1, head_dim)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(rope, hidden, kv_cache, attn_metadata)
-        return self.model.norm(hidden)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, attn_metadata)
+        hidden, _ = self.model.norm(hidden, residual)  # the last layer's MLP output joins the stream
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
