@@ -22,6 +22,7 @@ import argparse
 import json
 import platform
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -236,9 +237,25 @@ def main(argv: Optional[list[str]] = None) -> dict:
           f"{sum(wl.max_tokens)} output tokens; model {args.model}"
           + (" (dummy weights)" if llm.engine.source.dummy else ""), flush=True)
     results: list[BenchResult] = []
+
+    def report() -> dict:  # written after every backend: a run stopped later keeps these rows
+        table = format_table(results)
+        rep = {"environment": environment(), "model": args.model,
+               "command": "minipaged bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+               "workload": {"name": wl.name, "num_requests": len(wl.prompts), "seed": args.seed,
+                            "prompt_tokens": wl.num_prompt_tokens,
+                            "output_tokens": sum(wl.max_tokens),
+                            "temperature": args.temperature, "ignore_eos": True},
+               "results": [asdict(r) for r in results], "table": table}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rep, f, indent=1)
+        return rep
+
     if "minipaged" in backends:
         results.append(run_minipaged(llm, wl, args.temperature))
         print(f"minipaged: {results[-1].tokens_per_sec:,.0f} tok/s", flush=True)
+        report()
     hf_backends = [b for b in backends if b.startswith("hf")]
     if hf_backends:
         from minipaged.baseline import load_hf_model
@@ -258,17 +275,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
                 print(f"{b}: failed ({type(e).__name__}: {e})", flush=True)
                 continue
             print(f"{b}: {results[-1].tokens_per_sec:,.0f} tok/s", flush=True)
-    table = format_table(results)
-    print(table)
-    report = {"environment": environment(), "model": args.model,
-              "workload": {"name": wl.name, "num_requests": len(wl.prompts), "seed": args.seed,
-                           "prompt_tokens": wl.num_prompt_tokens, "output_tokens": sum(wl.max_tokens),
-                           "temperature": args.temperature, "ignore_eos": True},
-              "results": [asdict(r) for r in results], "table": table}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    return report
+            report()
+    rep = report()
+    print(rep["table"])
+    return rep
 
 
 def _hf_from_dummy(llm):
