@@ -41,6 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="read every step's tokens before planning the next (default on CUDA: "
                         "plan step t+1 while the GPU runs step t)")
+    p.add_argument("--no-fused-ops", action="store_true",
+                   help="plain torch ops between the matrix multiplies (default on CUDA: the "
+                        "fused Triton kernels of models/triton_ops.py)")
 
 
 def engine_kwargs(a) -> dict:
@@ -49,7 +52,8 @@ def engine_kwargs(a) -> dict:
                 num_blocks=a.num_blocks, gpu_memory_utilization=a.gpu_memory_utilization,
                 device=a.device, attention_backend=a.attention_backend,
                 enforce_eager=a.enforce_eager,
-                async_scheduling=False if a.no_async_scheduling else None)
+                async_scheduling=False if a.no_async_scheduling else None,
+                fused_ops=False if a.no_fused_ops else None)
 
 
 def cmd_generate(a) -> int:

@@ -152,6 +152,7 @@ class LLMEngine:
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
         self._pending: Optional[PendingStep] = None  # async scheduling: tokens not read yet
+        self._wait_time = 0.0  # this step's wait for them (StepRecord.wait_time)
         self.requests: dict[str, Sequence] = {}  # unfinished requests: their first sequence
         self.groups: dict[str, SequenceGroup] = {}  # ... those with n > 1 or a beam search
         self.trace: list[StepRecord] = []
@@ -289,6 +290,7 @@ class LLMEngine:
     # --- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self._wait_time = 0.0
         sched = self.scheduler.schedule()
         if sched.blocks_to_swap_out or sched.blocks_to_swap_in:
             self._swap(sched)  # before the forward: freed GPU blocks may be rewritten this step
@@ -362,7 +364,9 @@ class LLMEngine:
         pending, self._pending = self._pending, None
         if pending is None:
             return [], []
+        t0 = time.perf_counter()
         tokens = pending.host_tokens()  # waits for that step only; the current one keeps running
+        self._wait_time += time.perf_counter() - t0
         later = []  # placeholders added after this one (the step now running), per sequence
         for seq in pending.seqs:
             k = seq.num_pending_tokens
@@ -610,7 +614,7 @@ class LLMEngine:
             num_blocks_saved_by_sharing=bm.num_blocks_saved_by_sharing,
             num_cow_copies=len(sched.blocks_to_copy),
             num_prefix_query_tokens=bm.prefix_queries - queries,
-            num_prefix_hit_tokens=bm.prefix_hits - hits)
+            num_prefix_hit_tokens=bm.prefix_hits - hits, wait_time=self._wait_time)
         if sched.swapped_out or sched.swapped_in:
             record.swapped_out = list(dict.fromkeys(s.request_id for s in sched.swapped_out))
             record.swapped_in = list(dict.fromkeys(s.request_id for s in sched.swapped_in))
