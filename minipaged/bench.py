@@ -115,7 +115,11 @@ def run_minipaged(llm, wl: Workload, temperature: float = 0.0) -> BenchResult:
     from minipaged import SamplingParams
     params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True, seed=None)
               for m in wl.max_tokens]
-    llm.generate(wl.prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    # Warm-up: compile every kernel variant a run meets (long prefill chunks mixed with decodes,
+    # decode graphs, the sampler) before the clock starts, as a server would before serving.
+    warm = min(len(wl.prompts), 32)
+    llm.generate(wl.prompts[:warm], [SamplingParams(temperature=temperature, max_tokens=8,
+                                                    ignore_eos=True)] * warm, use_tqdm=False)
     if llm.engine.device.type == "cuda":
         torch.cuda.synchronize()
     first_step = len(llm.engine.trace)

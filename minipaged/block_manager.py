@@ -308,11 +308,11 @@ class BlockManager:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Publish blocks whose every slot is now computed, so later requests can reuse them."""
-        if not self.enable_prefix_caching:
-            return
-        hashes = self._hashes[seq.seq_id]
-        table = self.block_tables[seq.seq_id]
         bs = self.block_size
+        hashes = self._hashes[seq.seq_id]
+        if not self.enable_prefix_caching or seq.num_computed_tokens // bs <= len(hashes):
+            return  # (the common case: no block filled up since the last call)
+        table = self.block_tables[seq.seq_id]
         # Only blocks whose tokens are all known (async scheduling leaves placeholders at the end).
         known = min(seq.num_computed_tokens, seq.num_tokens - seq.num_pending_tokens)
         num_full = min(known // bs, len(table))

@@ -16,8 +16,7 @@ samples nothing).
 """
 from __future__ import annotations
 
-import itertools
-
+import numpy as np
 import torch
 
 from minipaged.attention import AttentionBackend, AttentionMetadata
@@ -64,6 +63,7 @@ class ModelRunner:
         sample_row: dict[int, int] = {}
         from_gpu: list[int] = []  # input_ids index <- ...
         gpu_rows: list[int] = []  # ... row of pending.tokens (async scheduling)
+        block_tables = self.block_manager.block_tables
         entries = sched.scheduled
         if self.longest_first:
             # The attention kernel's programs start in this order and the GPU hands out
@@ -74,7 +74,7 @@ class ModelRunner:
         for s in entries:
             seq, n = s.seq, s.num_new_tokens
             start = seq.num_computed_tokens
-            table = self.block_manager.get_block_table(seq)
+            table = block_tables[seq.seq_id]
             if seq.num_pending_tokens:  # its newest token is still on the GPU
                 if n != 1 or pending is None or seq.seq_id not in pending.row_of:
                     raise RuntimeError(f"{seq!r}: input token not sampled by the previous step")
@@ -94,36 +94,46 @@ class ModelRunner:
             tables.append(table)
             if s.samples:
                 sample_row[id(s)] = len(input_ids) - 1
-        # Block tables, padded with 0: one flat list scattered into place (cheap for 256 sequences).
-        lens = torch.tensor([len(t) for t in tables])
-        padded = torch.zeros((len(tables), int(lens.max())), dtype=torch.int32)
-        padded[torch.arange(padded.shape[1])[None, :] < lens[:, None]] = torch.tensor(
-            list(itertools.chain.from_iterable(tables)), dtype=torch.int32)
-        cu = [0]
-        for n in query_lens:
-            cu.append(cu[-1] + n)
-        dev = self.device
-
-        def tensor(x, dtype):  # built on the host, copied without blocking the host
-            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
-
+        num_seqs, num_tokens = len(tables), len(input_ids)
+        # All int32 inputs in one host buffer: block tables (num_seqs, width), padded with 0,
+        # then context_lens (num_seqs,) and cu_seqlens_q (num_seqs + 1,).
+        width = max(map(len, tables))
+        i32 = np.zeros(num_seqs * width + 2 * num_seqs + 1, dtype=np.int32)
+        bt = i32[:num_seqs * width].reshape(num_seqs, width)
+        for i, table in enumerate(tables):
+            bt[i, :len(table)] = table
+        i32[num_seqs * width:num_seqs * (width + 1)] = context_lens
+        np.cumsum(query_lens, out=i32[num_seqs * (width + 1) + 1:])
+        # All int64 inputs in another: input_ids, positions, slot_mapping (num_tokens,) each, and
+        # the async-scheduling gather's indices.
+        i64 = np.array(input_ids + positions + slot_mapping + from_gpu + gpu_rows, dtype=np.int64)
+        i32_dev, i64_dev = self._to_device(i32), self._to_device(i64)
+        ids, pos_dev, slots_dev, gather = i64_dev[:3 * num_tokens + 2 * len(from_gpu)].split(
+            [num_tokens, num_tokens, num_tokens, 2 * len(from_gpu)])
         metadata = AttentionMetadata(
-            slot_mapping=tensor(slot_mapping, torch.int64),
-            block_tables=padded.to(dev, non_blocking=True),
-            context_lens=tensor(context_lens, torch.int32),
-            cu_seqlens_q=tensor(cu, torch.int32),
+            slot_mapping=slots_dev,
+            block_tables=i32_dev[:num_seqs * width].view(num_seqs, width),
+            context_lens=i32_dev[num_seqs * width:num_seqs * (width + 1)],
+            cu_seqlens_q=i32_dev[num_seqs * (width + 1):],
             query_lens=query_lens,
             context_lens_host=context_lens,
             max_query_len=max(query_lens),
             max_context_len=max(context_lens),
             block_size=bs,
-            num_decode_tokens=sum(1 for n in query_lens if n == 1),
+            num_decode_tokens=query_lens.count(1),
         )
         sample_rows = [sample_row[id(s)] for s in sched.scheduled if s.samples]
-        ids = tensor(input_ids, torch.int64)
         if from_gpu:  # (num_tokens,): the placeholders' real values, gathered on the device
-            ids[tensor(from_gpu, torch.int64)] = pending.tokens[tensor(gpu_rows, torch.int64)]
-        return ids, tensor(positions, torch.int64), metadata, sample_rows
+            dst, src = gather.split(len(from_gpu))
+            ids = ids.index_copy(0, dst, pending.tokens[src])
+        return ids, pos_dev, metadata, sample_rows
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """Host array -> device tensor through pinned memory, without making the host wait."""
+        t = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, pending=None) -> torch.Tensor:

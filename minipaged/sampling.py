@@ -154,7 +154,10 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list as a device tensor, copied without making the host wait for the GPU
     (`torch.tensor(values, device="cuda")` would wait for every queued kernel first)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)  # pinned: a truly asynchronous copy
 
 
 class Sampler:

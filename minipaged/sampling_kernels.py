@@ -26,7 +26,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# `seed` changes every step: specialising on it (Triton does for ints divisible by 16) would compile
+# a second variant in the middle of a run.
+@triton.jit(do_not_specialize=["seed"])
 def gumbel_argmax_kernel(
     logits_ptr,  # (rows, vocab), last dim contiguous; any float dtype, read as fp32
     inv_temperature_ptr,  # (rows,) fp32: 1 / T, or 0 for greedy rows

@@ -113,8 +113,10 @@ class Scheduler:
         bm = self.block_manager
 
         # 1 + 2: running sequences, decodes first, then unfinished prefill chunks.
-        decodes = [s for s in self.running if not s.is_prefill]
-        chunks = [s for s in self.running if s.is_prefill]
+        decodes: list[Sequence] = []
+        chunks: list[Sequence] = []
+        for seq in self.running:
+            (chunks if seq.is_prefill else decodes).append(seq)
         for seq in decodes + chunks:
             if budget == 0:
                 break
@@ -122,7 +124,8 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if seq.stop_pending:
                 continue  # async scheduling: its last token (still on the GPU) is its last one
-            n = min(seq.num_uncomputed_tokens, budget)
+            uncomputed = seq.num_uncomputed_tokens
+            n = min(uncomputed, budget)
             if n == 0:
                 continue  # a beam whose logits wait for its siblings' (beam_search.py)
             while not bm.can_append(seq, n):
@@ -133,8 +136,7 @@ class Scheduler:
                 continue
             # Keep the n that can_append approved: budget returned by a victim must not grow it.
             out.blocks_to_copy += bm.append_slots(seq, n)
-            out.scheduled.append(ScheduledSeq(seq, n, seq.is_prefill,
-                                              seq.num_computed_tokens + n == seq.num_tokens))
+            out.scheduled.append(ScheduledSeq(seq, n, uncomputed > 1, n == uncomputed))
             budget -= n
 
         # 3: swapped-out groups come back first, oldest first (not in a step that had to preempt).

@@ -41,10 +41,11 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
-                        SequenceStatus.FINISHED_ABORTED)
+        return self in _FINISHED
 
 
+_FINISHED = frozenset({SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                       SequenceStatus.FINISHED_ABORTED})
 _seq_counter = itertools.count()
 
 # Async scheduling (engine.py): a token the GPU has sampled but the host has not read yet. It holds
