@@ -117,9 +117,11 @@ def run_minipaged(llm, wl: Workload, temperature: float = 0.0) -> BenchResult:
               for m in wl.max_tokens]
     # Warm-up: compile every kernel variant a run meets (long prefill chunks mixed with decodes,
     # decode graphs, the sampler) before the clock starts, as a server would before serving.
+    # The prompts are reversed so that the run finds none of them in the prefix cache.
     warm = min(len(wl.prompts), 32)
-    llm.generate(wl.prompts[:warm], [SamplingParams(temperature=temperature, max_tokens=8,
-                                                    ignore_eos=True)] * warm, use_tqdm=False)
+    llm.generate([p[::-1] for p in wl.prompts[:warm]],
+                 [SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True)] * warm,
+                 use_tqdm=False)
     if llm.engine.device.type == "cuda":
         torch.cuda.synchronize()
     first_step = len(llm.engine.trace)

@@ -38,7 +38,7 @@ class CUDAGraphRunner:
         self.device = device
         self.sizes = capture_sizes(max_num_seqs)
         self.max_bs = self.sizes[-1]
-        self.max_blocks = -(-max_model_len // block_size)
+        self.max_blocks = -(-max_model_len // (16 * block_size)) * 16  # model runner pads to 16
         self.max_model_len = max_model_len
         dev = device
         n = self.max_bs

@@ -95,26 +95,32 @@ class ModelRunner:
             if s.samples:
                 sample_row[id(s)] = len(input_ids) - 1
         num_seqs, num_tokens = len(tables), len(input_ids)
-        # All int32 inputs in one host buffer: block tables (num_seqs, width), padded with 0,
-        # then context_lens (num_seqs,) and cu_seqlens_q (num_seqs + 1,).
-        width = max(map(len, tables))
-        i32 = np.zeros(num_seqs * width + 2 * num_seqs + 1, dtype=np.int32)
-        bt = i32[:num_seqs * width].reshape(num_seqs, width)
+        # Widths rounded up to 16 entries: the row stride is a kernel argument, and Triton
+        # specialises integer arguments on divisibility by 16 (a new variant otherwise).
+        width = -(-max(map(len, tables)) // 16) * 16
+        # The int32 inputs share one host buffer and the int64 inputs another, so that a step
+        # makes two host-to-device copies, not seven. Each part starts at a multiple of 32
+        # elements: Triton compiles a kernel variant per pointer alignment it sees, and a
+        # misaligned part would compile new variants in the middle of a run.
+        i32, spans32 = _pack(np.int32, num_seqs * width, num_seqs, num_seqs + 1)
+        bt, ctx, cu = (i32[a:a + n] for a, n in spans32)
+        bt = bt.reshape(num_seqs, width)  # block tables, padded with 0
         for i, table in enumerate(tables):
             bt[i, :len(table)] = table
-        i32[num_seqs * width:num_seqs * (width + 1)] = context_lens
-        np.cumsum(query_lens, out=i32[num_seqs * (width + 1) + 1:])
-        # All int64 inputs in another: input_ids, positions, slot_mapping (num_tokens,) each, and
-        # the async-scheduling gather's indices.
-        i64 = np.array(input_ids + positions + slot_mapping + from_gpu + gpu_rows, dtype=np.int64)
+        ctx[:] = context_lens
+        np.cumsum(query_lens, out=cu[1:])  # cu_seqlens_q, cu[0] = 0
+        values = (input_ids, positions, slot_mapping, from_gpu, gpu_rows)
+        i64, spans64 = _pack(np.int64, *map(len, values))
+        for (a, n), v in zip(spans64, values):
+            i64[a:a + n] = v
         i32_dev, i64_dev = self._to_device(i32), self._to_device(i64)
-        ids, pos_dev, slots_dev, gather = i64_dev[:3 * num_tokens + 2 * len(from_gpu)].split(
-            [num_tokens, num_tokens, num_tokens, 2 * len(from_gpu)])
+        bt_dev, ctx_dev, cu_dev = (i32_dev[a:a + n] for a, n in spans32)
+        ids, pos_dev, slots_dev, dst, src = (i64_dev[a:a + n] for a, n in spans64)
         metadata = AttentionMetadata(
             slot_mapping=slots_dev,
-            block_tables=i32_dev[:num_seqs * width].view(num_seqs, width),
-            context_lens=i32_dev[num_seqs * width:num_seqs * (width + 1)],
-            cu_seqlens_q=i32_dev[num_seqs * (width + 1):],
+            block_tables=bt_dev.view(num_seqs, width),
+            context_lens=ctx_dev,
+            cu_seqlens_q=cu_dev,
             query_lens=query_lens,
             context_lens_host=context_lens,
             max_query_len=max(query_lens),
@@ -124,7 +130,6 @@ class ModelRunner:
         )
         sample_rows = [sample_row[id(s)] for s in sched.scheduled if s.samples]
         if from_gpu:  # (num_tokens,): the placeholders' real values, gathered on the device
-            dst, src = gather.split(len(from_gpu))
             ids = ids.index_copy(0, dst, pending.tokens[src])
         return ids, pos_dev, metadata, sample_rows
 
@@ -153,3 +158,16 @@ class ModelRunner:
             rows = torch.tensor(sample_rows, dtype=torch.long).to(self.device, non_blocking=True)
             hidden = hidden[rows]
         return self.model.compute_logits(hidden)  # (num_sampling_seqs, vocab)
+
+
+_ALIGN = 32  # elements; parts of a packed buffer start at multiples of this
+
+
+def _pack(dtype, *sizes: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """A zeroed host buffer for parts of the given sizes, each starting aligned; returns the
+    buffer and each part's (start, size)."""
+    spans, total = [], 0
+    for n in sizes:
+        spans.append((total, n))
+        total += -(-n // _ALIGN) * _ALIGN
+    return np.zeros(max(total, 1), dtype=dtype), spans

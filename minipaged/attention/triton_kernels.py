@@ -304,16 +304,18 @@ class KernelConfig:
 def decode_config(head_dim: int, group: int, interpret: bool) -> KernelConfig:
     """Decode: one query token per sequence, so one tile holds just the heads of one KV head.
 
-    Memory-bound: small tiles of 64 keys and only 2 warps, so that 4 programs share an SM and
-    keep enough loads in flight (H200 sweep, benchmarks/attention.py --sweep: 2 warps read
-    4.18 TB/s at batch 64 x 4096 keys, 4 warps 3.11, 8 warps 3.14).
+    Memory-bound. On decode steps shaped like a serving workload (benchmarks/attention_workload.py:
+    256 down to 36 sequences, contexts of 100-2,000 keys, H200), tiles of 128 keys on 4 warps with
+    a 2-stage pipeline read fastest: 3.70 / 3.84 / 3.68 / 2.93 TB/s at the four phases against
+    3.63 / 3.71 / 3.49 / 2.59 for the 64-key, 2-warp, 3-stage tiles that win on uniform
+    64 x 4096 batches (benchmarks/attention.py --sweep).
     """
     rows = max(16, triton.next_power_of_2(group))
     if interpret:  # big tiles = few Python-level loop iterations in the interpreter
         return KernelConfig(block_m=rows, block_n=64, num_warps=1, num_stages=1)
     if head_dim > 128:
         return KernelConfig(block_m=rows, block_n=32, num_warps=4, num_stages=3)
-    return KernelConfig(block_m=rows, block_n=64, num_warps=2 if rows == 16 else 4, num_stages=3)
+    return KernelConfig(block_m=rows, block_n=128, num_warps=4, num_stages=2)
 
 
 def prefill_config(head_dim: int, group: int, max_query_len: int, interpret: bool) -> KernelConfig:
