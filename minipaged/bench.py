@@ -157,7 +157,7 @@ def bandwidth(llm, wl: Workload, elapsed: float) -> dict:
     elem = torch.tensor([], dtype=eng.dtype).element_size()
     weight_bytes = mc.num_parameters() * elem
     steps = [r for r in eng.trace[-10**7:] if r.num_batched_tokens]
-    kv_per_token = mc.kv_bytes_per_token(eng.dtype)
+    kv_per_token = mc.kv_bytes_per_token(eng.kv_dtype)
     kv_read = 0
     for p, m in zip(wl.prompts, wl.max_tokens):  # decode step t reads len(p) + t tokens of KV
         kv_read += kv_per_token * (m * len(p) + m * (m - 1) // 2)

@@ -41,6 +41,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="read every step's tokens before planning the next (default on CUDA: "
                         "plan step t+1 while the GPU runs step t)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="auto: the model's dtype; fp8: float8 e4m3, half the bytes per token")
     p.add_argument("--no-fused-ops", action="store_true",
                    help="plain torch ops between the matrix multiplies (default on CUDA: the "
                         "fused Triton kernels of models/triton_ops.py)")
@@ -53,7 +55,7 @@ def engine_kwargs(a) -> dict:
                 device=a.device, attention_backend=a.attention_backend,
                 enforce_eager=a.enforce_eager,
                 async_scheduling=False if a.no_async_scheduling else None,
-                fused_ops=False if a.no_fused_ops else None)
+                fused_ops=False if a.no_fused_ops else None, kv_cache_dtype=a.kv_cache_dtype)
 
 
 def cmd_generate(a) -> int:

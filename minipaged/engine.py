@@ -29,8 +29,8 @@ from minipaged.beam_search import BeamSearchParams, BeamSearchState
 from minipaged.block_manager import BlockManager
 from minipaged.config import EngineConfig
 from minipaged.kv_cache import (allocate_cpu_cache, allocate_kv_cache, block_bytes,
-                                determine_num_blocks, determine_num_cpu_blocks, swap_in_blocks,
-                                swap_out_blocks)
+                                determine_num_blocks, determine_num_cpu_blocks,
+                                kv_cache_torch_dtype, swap_in_blocks, swap_out_blocks)
 from minipaged.model_runner import ModelRunner
 from minipaged.models.config import ModelConfig, parse_dtype
 from minipaged.models.loader import load_model, load_tokenizer, resolve_model
@@ -129,14 +129,15 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.source, config.tokenizer)
         self.eos_token_ids = self._eos_ids()
 
-        num_blocks = determine_num_blocks(config, self.model_config, self.dtype, self.device,
+        self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
+        num_blocks = determine_num_blocks(config, self.model_config, self.kv_dtype, self.device,
                                           profile=self._profile_peak_memory)
         self.num_blocks = num_blocks
         self.kv_cache = allocate_kv_cache(self.model_config, num_blocks, config.block_size,
-                                          self.dtype, self.device)
+                                          self.kv_dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         # Swap preemption: a CPU pool of the same layout (lesson 06).
-        self.block_bytes = block_bytes(self.model_config, config.block_size, self.dtype)
+        self.block_bytes = block_bytes(self.model_config, config.block_size, self.kv_dtype)
         num_cpu_blocks = determine_num_cpu_blocks(config, self.block_bytes, num_blocks)
         self.cpu_cache = allocate_cpu_cache(self.kv_cache, num_cpu_blocks)
         self.block_manager.enable_swap(num_cpu_blocks)
@@ -179,7 +180,7 @@ class LLMEngine:
         blocks = -(-n // bs)
         cfg = self.model_config
         kv = torch.zeros((cfg.num_hidden_layers, 2, blocks, bs, cfg.num_key_value_heads, cfg.head_dim),
-                         dtype=self.dtype, device=dev)
+                         dtype=self.kv_dtype, device=dev)
         meta = AttentionMetadata(
             slot_mapping=torch.arange(n, device=dev), block_tables=torch.arange(blocks, device=dev,
                                                                                dtype=torch.int32)[None],

@@ -31,6 +31,33 @@ from minipaged.models.config import ModelConfig
 CPU_DEFAULT_CAP = 4 * GiB
 
 
+FP8_MAX = 448.0  # the largest float8 e4m3 value
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """`EngineConfig.kv_cache_dtype` as a torch dtype ("auto": the model's)."""
+    return model_dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype == torch.float8_e4m3fn
+
+
+def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """New K/V in the cache's dtype; float8 clamps first (an out-of-range value would be NaN)."""
+    if x.dtype == cache_dtype:
+        return x
+    if is_fp8(cache_dtype):
+        x = x.clamp(-FP8_MAX, FP8_MAX)
+    return x.to(cache_dtype)
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as bytes when the dtype is float8, whose indexing ops torch lacks; block
+    copies and slot writes move bytes, so they go through this view."""
+    return t.view(torch.uint8) if is_fp8(t.dtype) else t
+
+
 def block_bytes(model_cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     return model_cfg.kv_bytes_per_token(dtype) * block_size
 
@@ -84,6 +111,7 @@ def copy_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
         return
     src = torch.tensor([s for s, _ in copies]).to(kv_cache.device, non_blocking=True)
     dst = torch.tensor([d for _, d in copies]).to(kv_cache.device, non_blocking=True)
+    kv_cache = raw(kv_cache)
     kv_cache[:, :, dst] = kv_cache[:, :, src]
 
 
@@ -136,9 +164,9 @@ def swap_out_blocks(kv_cache: torch.Tensor, cpu_cache: torch.Tensor,
         return
     mapping = sorted(mapping, key=lambda m: m[1])
     idx = torch.tensor([g for g, _ in mapping], device=kv_cache.device)
-    staged = kv_cache[:, :, idx].movedim(2, 0).contiguous()  # (n, layers, 2, block, heads, dim)
+    staged = raw(kv_cache)[:, :, idx].movedim(2, 0).contiguous()  # (n, layers, 2, block, heads, dim)
     for i, c, r in _runs([c for _, c in mapping]):
-        cpu_cache[c:c + r].copy_(staged[i:i + r], non_blocking=True)
+        raw(cpu_cache)[c:c + r].copy_(staged[i:i + r], non_blocking=True)
 
 
 def swap_in_blocks(cpu_cache: torch.Tensor, kv_cache: torch.Tensor,
@@ -147,9 +175,9 @@ def swap_in_blocks(cpu_cache: torch.Tensor, kv_cache: torch.Tensor,
     if not mapping:
         return
     mapping = sorted(mapping)
-    staged = torch.empty((len(mapping),) + cpu_cache.shape[1:], dtype=kv_cache.dtype,
+    staged = torch.empty((len(mapping),) + cpu_cache.shape[1:], dtype=raw(kv_cache).dtype,
                          device=kv_cache.device)
     for i, c, r in _runs([c for c, _ in mapping]):
-        staged[i:i + r].copy_(cpu_cache[c:c + r], non_blocking=True)
+        staged[i:i + r].copy_(raw(cpu_cache)[c:c + r], non_blocking=True)
     idx = torch.tensor([g for _, g in mapping], device=kv_cache.device)
-    kv_cache[:, :, idx] = staged.movedim(0, 2)
+    raw(kv_cache)[:, :, idx] = staged.movedim(0, 2)

@@ -102,3 +102,42 @@ def test_async_scheduling_equals_sync_on_gpu(tmp_path):
         res.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         del llm
     assert res[0] == res[1]
+
+
+def test_triton_attention_reads_an_fp8_cache():
+    """bf16 queries over a float8 e4m3 cache: tiles are widened to bf16 in the kernel."""
+    import math
+    from minipaged.attention.metadata import AttentionMetadata
+    from minipaged.attention.torch_ref import paged_attention_reference
+    from minipaged.attention.triton_backend import TritonBackend
+    g = torch.Generator(device="cuda").manual_seed(0)
+    nb, bs, kvh, d, h = 64, 16, 8, 128, 16
+    k = torch.randn(nb, bs, kvh, d, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    v = torch.randn(nb, bs, kvh, d, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    qlens, ctxs = [1, 3, 1, 1], [37, 200, 5, 129]  # decodes and a 3-token chunk
+    perm = torch.randperm(nb, device="cuda", generator=g).to(torch.int32)
+    tables = perm[:4 * 16].view(4, 16)
+    q = torch.randn(sum(qlens), h, d, device="cuda", generator=g).to(torch.bfloat16)
+    cu = torch.tensor([0, 1, 4, 5, 6], dtype=torch.int32, device="cuda")
+    md = AttentionMetadata(slot_mapping=torch.full((6,), -1, device="cuda"), block_tables=tables,
+                           context_lens=torch.tensor(ctxs, dtype=torch.int32, device="cuda"),
+                           cu_seqlens_q=cu, query_lens=qlens, context_lens_host=ctxs,
+                           max_query_len=3, max_context_len=200, block_size=bs)
+    scale = 1 / math.sqrt(d)
+    backend = TritonBackend()
+    backend.prepare(md)
+    out = backend.attend(q, k, v, md, scale)
+    ref = paged_attention_reference(q, k, v, md, scale)
+    torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_stories260k_fp8_cache_on_gpu():
+    """Fused K/V store into float8, graphs, Triton attention: SOURCE.md's story survives, as on
+    the CPU (tests/test_kv_cache_fp8.py)."""
+    from tests.helpers import STORIES_EXPECTED
+    llm = LLM("stories260K", device="cuda", dtype="float32", kv_cache_dtype="fp8",
+              gpu_memory_utilization=0.05)
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=40),
+                       use_tqdm=False)[0]
+    ids = out.prompt_token_ids + out.outputs[0].token_ids
+    assert ids == STORIES_EXPECTED[:len(ids)]

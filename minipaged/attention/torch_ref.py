@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from minipaged.attention.metadata import AttentionBackend, AttentionMetadata
+from minipaged.kv_cache import raw, to_cache_dtype
 
 
 @dataclass
@@ -87,15 +88,14 @@ class TorchRefBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, metadata, scale):
         plan: TorchRefPlan = metadata.plan
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # (num_blocks * block_size, kv_heads, dim)
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        # (num_blocks * block_size, kv_heads, dim); a float8 cache is indexed as bytes (raw)
+        k_flat = raw(k_cache).view(-1, num_kv_heads, head_dim)
+        v_flat = raw(v_cache).view(-1, num_kv_heads, head_dim)
         # 1. store: each new token's K/V goes to its slot (padding tokens are skipped).
-        if plan.store_tokens is None:
-            k_flat.index_copy_(0, plan.store_slots, k.to(k_cache.dtype))
-            v_flat.index_copy_(0, plan.store_slots, v.to(v_cache.dtype))
-        else:
-            k_flat.index_copy_(0, plan.store_slots, k[plan.store_tokens].to(k_cache.dtype))
-            v_flat.index_copy_(0, plan.store_slots, v[plan.store_tokens].to(v_cache.dtype))
+        if plan.store_tokens is not None:
+            k, v = k[plan.store_tokens], v[plan.store_tokens]
+        k_flat.index_copy_(0, plan.store_slots, raw(to_cache_dtype(k, k_cache.dtype)))
+        v_flat.index_copy_(0, plan.store_slots, raw(to_cache_dtype(v, v_cache.dtype)))
         # 2. attend, one SDPA per group.
         out = q.new_empty(q.shape) if not plan.identity_order else None
         for g in plan.groups:
@@ -107,8 +107,8 @@ class TorchRefBackend(AttentionBackend):
             # index_select on the flat slot list is much faster than 2-D fancy indexing
             kg = k_flat.index_select(0, g.slots.view(-1)).view(G, ctx, num_kv_heads, head_dim)
             vg = v_flat.index_select(0, g.slots.view(-1)).view(G, ctx, num_kv_heads, head_dim)
-            kg = kg.transpose(1, 2).to(q.dtype)  # (G, kv_heads, max_ctx, dim)
-            vg = vg.transpose(1, 2).to(q.dtype)
+            kg = kg.view(k_cache.dtype).transpose(1, 2).to(q.dtype)  # (G, kv_heads, max_ctx, dim)
+            vg = vg.view(v_cache.dtype).transpose(1, 2).to(q.dtype)
             og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
                                                 enable_gqa=True)
             og = og.transpose(1, 2)  # (G, max_q, heads, dim)
@@ -135,8 +135,8 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         start = int(metadata.cu_seqlens_q[i])
         pos = torch.arange(ctx, device=q.device)
         slots = metadata.block_tables[i].long()[pos // bs] * bs + pos % bs
-        ks = k_cache.reshape(-1, kv_heads, dim)[slots].float()  # (ctx, kv_heads, dim)
-        vs = v_cache.reshape(-1, kv_heads, dim)[slots].float()
+        ks = raw(k_cache).reshape(-1, kv_heads, dim)[slots].view(k_cache.dtype).float()  # (ctx, kv_heads, dim)
+        vs = raw(v_cache).reshape(-1, kv_heads, dim)[slots].view(v_cache.dtype).float()
         ks = ks.repeat_interleave(group, dim=1).transpose(0, 1)  # (heads, ctx, dim)
         vs = vs.repeat_interleave(group, dim=1).transpose(0, 1)
         qs = q[start:start + q_len].float().transpose(0, 1)  # (heads, q_len, dim)

@@ -52,6 +52,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minipaged.kv_cache import to_cache_dtype
+
 
 # --------------------------------------------------------------------------------------------
 # 1. store_kv: the new tokens' K and V go to their slots
@@ -87,8 +89,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    if k.dtype != k_cache.dtype:  # the model may run in another dtype than the cache
-        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    if k.dtype != k_cache.dtype:  # the model may run in another dtype than the cache (fp8)
+        k, v = to_cache_dtype(k, k_cache.dtype), to_cache_dtype(v, v_cache.dtype)
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
     _check_last_dim_contiguous(k_cache=k_cache, v_cache=v_cache)
     assert k_cache.stride() == v_cache.stride(), "K and V caches must share one layout"
@@ -120,6 +122,7 @@ def _attend_key_tile(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     MASKED: tl.constexpr,  # False: every row sees every key of this tile, no masks at all
     FP32_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAST_KV: tl.constexpr,  # a float8 cache: K/V tiles are widened to q's dtype for the dots
 ):
     # -- the block-table walk: logical key position -> (physical block, offset) ---------------
     offs_n = kv_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key positions of this tile
@@ -150,6 +153,9 @@ def _attend_key_tile(
     if FP32_DOT:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
+    elif CAST_KV:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     # -- scores, in log2 units: s = q k^T * scale * log2(e) -----------------------------------
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
     if MASKED:  # causal (key <= query position) and past-the-end keys
@@ -185,7 +191,7 @@ def paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per KV-cache block
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     SPLIT: tl.constexpr,  # num_splits > 1: write partial results for reduce_splits_kernel
-    FP32_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP32_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, CAST_KV: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     # -- which work is mine -------------------------------------------------------------------
@@ -235,13 +241,13 @@ def paged_attention_kernel(
             acc, l_i, m_i, q, q_pos, tile * BLOCK_N, kv_end, block_table_row,
             k_cache_ptr, v_cache_ptr, kv_head, stride_c_block, stride_c_slot, stride_c_head,
             offs_d, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD,
-            False, FP32_DOT, DOT_PRECISION)
+            False, FP32_DOT, DOT_PRECISION, CAST_KV)
     for tile in range(tl.maximum(tile_lo, unmasked_tiles), tile_hi):
         acc, l_i, m_i = _attend_key_tile(
             acc, l_i, m_i, q, q_pos, tile * BLOCK_N, kv_end, block_table_row,
             k_cache_ptr, v_cache_ptr, kv_head, stride_c_block, stride_c_slot, stride_c_head,
             offs_d, qk_scale, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD,
-            True, FP32_DOT, DOT_PRECISION)
+            True, FP32_DOT, DOT_PRECISION, CAST_KV)
 
     # -- write: normalise, or leave a partial result for reduce_splits_kernel ------------------
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty split has l = 0
@@ -387,7 +393,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         partial_out = partial_lse = out  # unused
     interpret = q.device.type == "cpu"
-    fp32_dot = interpret or k_cache.dtype == torch.float32 or q.dtype != k_cache.dtype
+    fp8_cache = k_cache.dtype == torch.float8_e4m3fn  # widened to q's bf16/fp16 in the kernel
+    fp32_dot = (interpret or k_cache.dtype == torch.float32 or q.dtype == torch.float32
+                or (q.dtype != k_cache.dtype and not fp8_cache))
     grid = (num_seqs * num_q_tiles, num_kv_heads, num_splits)
     paged_attention_kernel[grid](
         out, partial_out, partial_lse, q, k_cache, v_cache,
@@ -399,7 +407,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         QUERIES_PER_KV=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=config.block_n,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), SPLIT=num_splits > 1,
-        FP32_DOT=fp32_dot, DOT_PRECISION="ieee" if fp32_dot else "tf32",
+        FP32_DOT=fp32_dot, DOT_PRECISION="ieee" if fp32_dot else "tf32", CAST_KV=fp8_cache,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
