@@ -2,7 +2,7 @@
 
     python benchmarks/plot_throughput_gpu.py            # reads benchmarks/results/nanovllm_h200_*.json
 
-One group of bars per model shape: minipaged and every HF baseline that ran in the same run,
+One group of bars per model shape (and KV-cache dtype): minipaged and every HF baseline that ran in the same run,
 output tokens per second on a log scale (the gap is two orders of magnitude), each bar labelled.
 HF rows measured on a subsample of the requests say so in the legend.
 """
@@ -27,7 +27,10 @@ def load(paths):
     for path in paths:
         d = json.loads(Path(path).read_text())
         rows = {r["backend"]: r for r in d["results"]}
-        runs.append((d["model"].replace("dummy:", ""), rows, d["environment"].get("gpu", "GPU")))
+        name = d["model"].replace("dummy:", "")
+        if "--kv-cache-dtype fp8" in d.get("command", ""):
+            name += "\n(fp8 KV cache)"
+        runs.append((name, rows, d["environment"].get("gpu", "GPU")))
     return runs
 
 
@@ -62,6 +65,6 @@ def plot(runs, out: Path) -> None:
 
 if __name__ == "__main__":
     paths = sys.argv[1:] or sorted(RESULTS.glob("nanovllm_h200_*.json"))
-    order = {"qwen3-0.6b": 0, "qwen2.5-0.5b": 1, "llama-3.2-1b": 2}
+    order = {"qwen3-0.6b": 0, "qwen3-0.6b\n(fp8 KV cache)": 1, "qwen2.5-0.5b": 2, "llama-3.2-1b": 3}
     runs = sorted(load(paths), key=lambda r: order.get(r[0], 9))
     plot(runs, ROOT / "figures" / "throughput_h200.png")
