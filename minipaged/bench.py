@@ -137,7 +137,7 @@ def run_minipaged(llm, wl: Workload, temperature: float = 0.0) -> BenchResult:
                    ttft_ms=_percentiles(ttft), itl_ms=_percentiles(itl),
                    preemptions=sum(o.metrics["num_preemptions"] for o in outs),
                    **step_breakdown(llm.engine.trace[first_step:]),
-                   **bandwidth(llm, wl, elapsed))
+                   **bandwidth(llm, wl, elapsed, llm.engine.trace[first_step:]))
 
 
 def step_breakdown(trace) -> dict:
@@ -150,13 +150,19 @@ def step_breakdown(trace) -> dict:
             "host_wait_sec": round(sum(r.wait_time for r in trace), 3)}
 
 
-def bandwidth(llm, wl: Workload, elapsed: float) -> dict:
-    """Bytes the decode steps must read (weights once per step + every sequence's KV), per second."""
+# Memory bandwidth on the spec sheet (GB/s), to report a run's share of the device limit.
+PEAK_GB_PER_S = {"H200": 4800, "H100 NVL": 3900, "H100 80GB HBM3": 3350, "H100 PCIe": 2000,
+                 "A100-SXM4-80GB": 2039, "A100 80GB PCIe": 1935, "A100-SXM4-40GB": 1555}
+
+
+def bandwidth(llm, wl: Workload, elapsed: float, trace) -> dict:
+    """Bytes the run must read (weights once per step of `trace` + every sequence's KV at every
+    decode step), per second, and its share of the GPU's spec-sheet bandwidth when known."""
     eng = llm.engine
     mc = eng.model_config
     elem = torch.tensor([], dtype=eng.dtype).element_size()
     weight_bytes = mc.num_parameters() * elem
-    steps = [r for r in eng.trace[-10**7:] if r.num_batched_tokens]
+    steps = [r for r in trace if r.num_batched_tokens]
     kv_per_token = mc.kv_bytes_per_token(eng.kv_dtype)
     kv_read = 0
     for p, m in zip(wl.prompts, wl.max_tokens):  # decode step t reads len(p) + t tokens of KV
@@ -166,7 +172,11 @@ def bandwidth(llm, wl: Workload, elapsed: float) -> dict:
     out = {"approx_bytes_read_gb": round(total / 1e9, 2),
            "achieved_gb_per_s": round(total / elapsed / 1e9, 2)}
     if eng.device.type == "cuda":
-        out["device"] = torch.cuda.get_device_name(eng.device)
+        name = out["device"] = torch.cuda.get_device_name(eng.device)
+        peak = next((v for k, v in PEAK_GB_PER_S.items() if k in name), None)
+        if peak is not None:
+            out["peak_gb_per_s"] = peak
+            out["share_of_peak"] = round(total / elapsed / 1e9 / peak, 3)
     return out
 
 
