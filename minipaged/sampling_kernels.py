@@ -11,13 +11,15 @@ race written in logs: argmax(p / E) with E = -log(U), U ~ Uniform(0, 1), equals
 
     argmax(logits / T - log(-log U))        (the softmax's normaliser is the same for every token)
 
-One program walks one row's vocabulary in tiles, keeping the best key and its index. The uniform
-numbers come from Triton's counter-based generator (`tl.rand(seed, offset)`), so a step needs no
-noise tensor: `seed` is drawn once per step from the engine's seeded host generator. Rows with
-temperature 0 (`inv_temperature` 0) take the plain argmax.
+A program walks a chunk of one row's vocabulary in tiles, keeping the best key and its index;
+one small argmax then picks each row's best chunk. The uniform numbers come from Triton's
+counter-based generator (`tl.rand(seed, offset)`), so a step needs no noise tensor, and a token's
+number does not depend on how the vocabulary is chunked: `seed` is drawn once per step from the
+engine's seeded host generator. Rows with temperature 0 (`inv_temperature` 0) take the argmax.
 
-The sampler uses it only when every row is unseeded and has no top-k/top-p/min-p, no penalties
-and no banned tokens; everything else takes the torch path of `sampling.py`.
+The sampler uses it only when every row is greedy or unseeded with no top-k/top-p/min-p (tokens
+banned by min_tokens are -inf logits, which never win); everything else takes the torch path of
+`sampling.py`.
 """
 from __future__ import annotations
 
@@ -32,16 +34,19 @@ import triton.language as tl
 def gumbel_argmax_kernel(
     logits_ptr,  # (rows, vocab), last dim contiguous; any float dtype, read as fp32
     inv_temperature_ptr,  # (rows,) fp32: 1 / T, or 0 for greedy rows
-    out_ptr,  # (rows,) int64: the sampled token of each row
+    best_key_ptr,  # (rows, num_chunks) fp32: the best key of each chunk of the vocabulary ...
+    best_idx_ptr,  # (rows, num_chunks) int64: ... and its token id
     stride_row, vocab, seed,
-    BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,  # tokens per program (a multiple of BLOCK)
+    BLOCK: tl.constexpr,  # tokens per loop iteration
 ):
     row = tl.program_id(0)
+    chunk = tl.program_id(1)
     inv_t = tl.load(inv_temperature_ptr + row)
     base = logits_ptr + row.to(tl.int64) * stride_row
     best_key = float("-inf")
-    best_idx = 0
-    for start in range(0, vocab, BLOCK):
+    best_idx = chunk * CHUNK
+    for start in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, vocab), BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < vocab
         x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
@@ -55,20 +60,34 @@ def gumbel_argmax_kernel(
         better = tile_best > best_key  # strict: the first maximum wins, as in torch.argmax
         best_idx = tl.where(better, tile_idx, best_idx)
         best_key = tl.where(better, tile_best, best_key)
-    tl.store(out_ptr + row, best_idx.to(tl.int64))
+    num_chunks = tl.num_programs(1)
+    tl.store(best_key_ptr + row * num_chunks + chunk, best_key)
+    tl.store(best_idx_ptr + row * num_chunks + chunk, best_idx.to(tl.int64))
 
 
-def gumbel_sample(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int) -> torch.Tensor:
+def gumbel_sample(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int,
+                  chunk: int | None = None) -> torch.Tensor:
     """One token per row of `logits` (rows, vocab) from softmax(logits * inv_temperature);
-    argmax where inv_temperature is 0. Returns (rows,) int64 on the logits' device."""
+    argmax where inv_temperature is 0. Returns (rows,) int64 on the logits' device.
+
+    Each row's vocabulary is cut into chunks of `chunk` tokens, one program each, so that even a
+    few rows fill the GPU (Qwen3's 151,936 tokens: 10 programs per row); the best of each chunk is
+    then chosen with one small argmax (ties: the first chunk, as torch.argmax)."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
-        return out
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
     interpret = logits.device.type == "cpu"
-    block = min(triton.next_power_of_2(vocab), 1024 if interpret else 4096)
-    gumbel_argmax_kernel[(rows,)](logits, inv_temperature, out, logits.stride(0), vocab, seed,
-                                  BLOCK=block, num_warps=8)
-    return out
+    block = min(triton.next_power_of_2(vocab), 1024 if interpret else 2048)
+    chunk = chunk or (block if interpret else 8 * block)
+    chunk = triton.cdiv(chunk, block) * block
+    num_chunks = triton.cdiv(vocab, chunk)
+    keys = torch.empty((rows, num_chunks), dtype=torch.float32, device=logits.device)
+    idx = torch.empty((rows, num_chunks), dtype=torch.int64, device=logits.device)
+    gumbel_argmax_kernel[(rows, num_chunks)](
+        logits, inv_temperature, keys, idx, logits.stride(0), vocab, seed,
+        CHUNK=chunk, BLOCK=block, num_warps=4 if interpret else 8)
+    if num_chunks == 1:
+        return idx[:, 0]
+    return idx.gather(1, keys.argmax(dim=1, keepdim=True)).squeeze(1)  # (rows,)

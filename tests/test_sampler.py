@@ -456,3 +456,18 @@ def test_kernel_greedy_rows_banned_tokens_and_fallbacks():
     # Seeds and top-k/top-p need the torch path (per-request generators, sorted filters).
     for p in (dict(seed=3), dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1)):
         assert not sampler._kernel_applies(logits, [make_seq([1], temperature=1.0, **p).sampling_params])
+
+
+def test_kernel_chunks_of_the_vocabulary_change_no_token():
+    """Each program takes a chunk of a row's vocabulary; the random number of a token depends
+    only on (seed, row, token), so any chunking draws the same tokens."""
+    pytest.importorskip("triton")
+    from minipaged.sampling_kernels import gumbel_sample
+    gen = torch.Generator().manual_seed(11)
+    logits = distinct_logits(gen, 6, 3000, scale=0.5)
+    inv_t = torch.tensor([0.0, 1.0, 2.0, 0.0, 1.0, 0.5])
+    whole = gumbel_sample(logits, inv_t, seed=123, chunk=4096)  # one chunk per row
+    parts = gumbel_sample(logits, inv_t, seed=123, chunk=1024)  # three
+    assert parts.tolist() == whole.tolist()
+    assert parts[[0, 3]].tolist() == logits[[0, 3]].argmax(-1).tolist()
+    assert gumbel_sample(logits, inv_t, seed=124, chunk=1024).tolist() != whole.tolist()
