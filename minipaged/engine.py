@@ -321,7 +321,10 @@ class LLMEngine:
             for seq in sampling:
                 self._add_placeholder(seq)
             outputs, finished = self._resolve_pending()
-            self._pending = pending
+            # Sequences that stopped meanwhile (a token read late) need nothing from this step:
+            # if none is left, there is nothing to read (has_unfinished_requests stays honest).
+            if any(not s.is_finished for s in pending.seqs):
+                self._pending = pending
             self._record(sched, finished, t0)
             return outputs
         outputs, finished = self._resolve_pending()  # this step needs every earlier token

@@ -140,3 +140,17 @@ def test_async_streaming_text_matches_final_text():
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
     assert texts[-1] == ", there was a little girl named Lily. She loved to play outside in the park. One day, she saw"[:len(texts[-1])]
     assert len(texts) == 25
+
+
+def test_async_no_pending_step_left_once_every_request_stopped():
+    """A request stopped by a token read late (stop string, EOS) was already in the next step;
+    that step's tokens belong to nobody, so generate() leaves no work behind."""
+    llm = LLM("stories260K", async_scheduling=True, device="cpu")
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=50,
+                                                          stop=["park"]), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "stop"
+    eng = llm.engine
+    assert not eng.has_unfinished_requests()
+    assert eng._pending is None
+    steps = len(eng.trace)
+    assert eng.step() == [] and len(eng.trace) == steps  # nothing left to run or read
