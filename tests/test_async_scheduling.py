@@ -154,3 +154,21 @@ def test_async_no_pending_step_left_once_every_request_stopped():
     assert eng._pending is None
     steps = len(eng.trace)
     assert eng.step() == [] and len(eng.trace) == steps  # nothing left to run or read
+
+
+@pytest.mark.parametrize("blocks", [2, 3])
+def test_async_publishes_the_last_full_block_like_sync(blocks):
+    """A request ending by length whose last computed token fills a block: that block reaches the
+    prefix cache in async mode too (its token is known only when read, a step late)."""
+    cached = []
+    for a in (False, True):
+        llm = LLM("stories260K", async_scheduling=a, block_size=4, device="cpu")
+        n_prompt = len(llm.engine.tokenize("Once upon a time"))
+        # prompt + output = 4 * k + 1 tokens: the last computed one (all but the final token)
+        # completes block k.
+        sp = SamplingParams(temperature=0, max_tokens=4 * (n_prompt // 4 + blocks) + 1 - n_prompt)
+        first = llm.generate("Once upon a time", sp, use_tqdm=False)[0]
+        again = llm.generate([first.prompt_token_ids + first.outputs[0].token_ids], sp,
+                             use_tqdm=False)[0]
+        cached.append(again.num_cached_tokens)
+    assert cached[1] == cached[0]

@@ -12,6 +12,7 @@ import torch
 
 from minipaged.sampling import Sampler, SamplingParams, apply_penalties, apply_top_k_top_p_min_p
 from minipaged.sequence import Sequence
+from tests.helpers import IGNORE_INTERPRETER_WARNINGS
 
 EOS = 2
 
@@ -418,6 +419,7 @@ def test_sampling_params_edge_values_are_accepted_and_normalized():
 
 
 # --- the one-pass Triton kernel (sampling_kernels.py; the CUDA default, here interpreted) -----
+@IGNORE_INTERPRETER_WARNINGS
 def test_kernel_temperature_sampling_matches_softmax():
     """The interpreter is slow (a few ms per row), so few draws here; tests/test_gpu.py repeats
     this with 60,000 draws on the GPU."""
@@ -439,6 +441,7 @@ def test_kernel_temperature_sampling_matches_softmax():
     assert again != tokens
 
 
+@IGNORE_INTERPRETER_WARNINGS
 def test_kernel_greedy_rows_banned_tokens_and_fallbacks():
     pytest.importorskip("triton")
     gen = torch.Generator().manual_seed(5)
@@ -458,6 +461,7 @@ def test_kernel_greedy_rows_banned_tokens_and_fallbacks():
         assert not sampler._kernel_applies(logits, [make_seq([1], temperature=1.0, **p).sampling_params])
 
 
+@IGNORE_INTERPRETER_WARNINGS
 def test_kernel_chunks_of_the_vocabulary_change_no_token():
     """Each program takes a chunk of a row's vocabulary; the random number of a token depends
     only on (seed, row, token), so any chunking draws the same tokens."""
