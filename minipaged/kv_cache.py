@@ -58,6 +58,16 @@ def raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if is_fp8(t.dtype) else t
 
 
+def to_device(values, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Small host data (a list or numpy array) as a tensor on `device`, copied without making the
+    host wait for the GPU: `torch.tensor(values, device="cuda")`, or a copy from ordinary pageable
+    memory, can wait for every kernel already queued; a copy from pinned memory does not."""
+    t = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def block_bytes(model_cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     return model_cfg.kv_bytes_per_token(dtype) * block_size
 
@@ -109,8 +119,8 @@ def copy_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
     """Copy-on-write: duplicate whole blocks, every layer, K and V at once."""
     if not copies:
         return
-    src = torch.tensor([s for s, _ in copies]).to(kv_cache.device, non_blocking=True)
-    dst = torch.tensor([d for _, d in copies]).to(kv_cache.device, non_blocking=True)
+    src = to_device([s for s, _ in copies], kv_cache.device)
+    dst = to_device([d for _, d in copies], kv_cache.device)
     kv_cache = raw(kv_cache)
     kv_cache[:, :, dst] = kv_cache[:, :, src]
 

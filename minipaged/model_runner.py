@@ -21,7 +21,7 @@ import torch
 
 from minipaged.attention import AttentionBackend, AttentionMetadata
 from minipaged.block_manager import BlockManager
-from minipaged.kv_cache import copy_blocks
+from minipaged.kv_cache import copy_blocks, to_device
 from minipaged.scheduler import SchedulerOutput
 
 
@@ -113,7 +113,7 @@ class ModelRunner:
         i64, spans64 = _pack(np.int64, *map(len, values))
         for (a, n), v in zip(spans64, values):
             i64[a:a + n] = v
-        i32_dev, i64_dev = self._to_device(i32), self._to_device(i64)
+        i32_dev, i64_dev = to_device(i32, self.device), to_device(i64, self.device)
         bt_dev, ctx_dev, cu_dev = (i32_dev[a:a + n] for a, n in spans32)
         ids, pos_dev, slots_dev, dst, src = (i64_dev[a:a + n] for a, n in spans64)
         metadata = AttentionMetadata(
@@ -133,13 +133,6 @@ class ModelRunner:
             ids = ids.index_copy(0, dst, pending.tokens[src])
         return ids, pos_dev, metadata, sample_rows
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        """Host array -> device tensor through pinned memory, without making the host wait."""
-        t = torch.from_numpy(array)
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
-
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, pending=None) -> torch.Tensor:
         """Queue one step; returns fp32 logits (num_sampling_seqs, vocab) without waiting for them.
@@ -155,8 +148,7 @@ class ModelRunner:
             self.backend.prepare(metadata)
             hidden = self.model(input_ids, positions, self.kv_cache, metadata)  # (num_tokens, hidden)
         if sample_rows != list(range(hidden.shape[0])):
-            rows = torch.tensor(sample_rows, dtype=torch.long).to(self.device, non_blocking=True)
-            hidden = hidden[rows]
+            hidden = hidden[to_device(sample_rows, self.device, torch.long)]
         return self.model.compute_logits(hidden)  # (num_sampling_seqs, vocab)
 
 

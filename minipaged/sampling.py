@@ -19,6 +19,7 @@ from typing import Optional, Sequence as Seq
 
 import torch
 
+from minipaged.kv_cache import to_device
 from minipaged.sequence import Sequence
 
 _GREEDY_EPS = 1e-5
@@ -151,15 +152,6 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a device tensor, copied without making the host wait for the GPU
-    (`torch.tensor(values, device="cuda")` would wait for every queued kernel first)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)  # pinned: a truly asynchronous copy
-
-
 class Sampler:
     """Turns one step's last-token logits into next tokens for every sampled sequence."""
 
@@ -204,14 +196,14 @@ class Sampler:
                 if not seqs[i].sampling_params.ignore_eos:
                     ban += self.eos_token_ids
                 if ban:
-                    logits[i, _to_device(ban, torch.int64, logits.device)] = float("-inf")
+                    logits[i, to_device(ban, logits.device, torch.int64)] = float("-inf")
 
         if all(p.greedy for p in params):
             return logits.argmax(dim=-1)
         if self._kernel_applies(logits, params):  # banned tokens (-inf) never win there either
             from minipaged.sampling_kernels import gumbel_sample
-            inv_t = _to_device([0.0 if p.greedy else 1.0 / p.temperature for p in params],
-                               torch.float32, logits.device)
+            inv_t = to_device([0.0 if p.greedy else 1.0 / p.temperature for p in params],
+                              logits.device, torch.float32)
             seed = int(torch.randint(2**31 - 1, (1,), generator=self._host_generator))
             return gumbel_sample(logits, inv_t, seed)
         return self._sample(logits, seqs)
@@ -230,13 +222,13 @@ class Sampler:
         if len(set(temps)) == 1:  # one temperature for the whole batch: no per-row tensor
             scaled = logits / temps[0]
         else:
-            scaled = logits / _to_device(temps, torch.float32, device)[:, None]
+            scaled = logits / to_device(temps, device, torch.float32)[:, None]
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
             scaled = apply_top_k_top_p_min_p(
                 scaled,
-                _to_device([p.top_k for p in params], torch.int64, device),
-                _to_device([p.top_p for p in params], torch.float32, device),
-                _to_device([p.min_p for p in params], torch.float32, device))
+                to_device([p.top_k for p in params], device, torch.int64),
+                to_device([p.top_p for p in params], device, torch.float32),
+                to_device([p.min_p for p in params], device, torch.float32))
         probs = scaled.softmax(dim=-1)
         # Exponential race: argmax(p / E), E ~ Exp(1), is a draw from p.
         unseeded = [i for i, p in enumerate(params) if p.seed is None and not p.greedy]
@@ -245,7 +237,7 @@ class Sampler:
             return (probs / noise).argmax(dim=-1)
         noise = torch.empty_like(probs)
         if unseeded:
-            idx = _to_device(unseeded, torch.int64, device)
+            idx = to_device(unseeded, device, torch.int64)
             noise[idx] = torch.empty((len(unseeded), probs.shape[1]), device=device).exponential_(
                 generator=self._engine_generator(device))
         for i, (seq, p) in enumerate(zip(seqs, params)):
@@ -258,7 +250,7 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=-1)
         if not any_greedy:
             return sampled
-        greedy = _to_device([p.greedy for p in params], torch.bool, device)
+        greedy = to_device([p.greedy for p in params], device, torch.bool)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
     @staticmethod
