@@ -335,9 +335,14 @@ class BlockManager:
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, seq: Sequence) -> None:
-        """Drop the sequence's references; tail blocks first, so they are evicted first."""
-        table = self.block_tables.pop(seq.seq_id, None)
+        """Drop the sequence's references; tail blocks first, so they are evicted first.
+
+        Full blocks not yet published go to the prefix cache first: with async scheduling the
+        last computed token of a sequence is known only when the engine finishes it."""
+        table = self.block_tables.get(seq.seq_id)
         if table is not None:
+            self.cache_full_blocks(seq)
+            del self.block_tables[seq.seq_id]
             for b in reversed(table):
                 self.allocator.decref(self.allocator.blocks[b])
             self.num_block_refs -= len(table)

@@ -480,10 +480,6 @@ class LLMEngine:
                 seq.logprobs.append(sampler_out.logprobs[row])
                 seq.cumulative_logprob += sampler_out.sampled_logprobs[row]
             status = self._check_stop(seq, token)
-            if status is not None and seq.seq_id in self.block_manager.block_tables:
-                # Async scheduling: the last computed token became known only now; publish the
-                # block it fills before finish() frees the sequence's blocks.
-                self.block_manager.cache_full_blocks(seq)
             if seq.group is not None:  # one of n samples: the request ends with its last sample
                 if status is not None:
                     seq.finished_time = now
