@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from minipaged.attention import AttentionMetadata
+from minipaged.attention.metadata import BLOCK_TABLE_WIDTH_MULTIPLE
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -38,7 +39,8 @@ class CUDAGraphRunner:
         self.device = device
         self.sizes = capture_sizes(max_num_seqs)
         self.max_bs = self.sizes[-1]
-        self.max_blocks = -(-max_model_len // (16 * block_size)) * 16  # model runner pads to 16
+        m = BLOCK_TABLE_WIDTH_MULTIPLE  # the model runner pads block tables to this
+        self.max_blocks = -(-max_model_len // (m * block_size)) * m
         self.max_model_len = max_model_len
         dev = device
         n = self.max_bs

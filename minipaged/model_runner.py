@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from minipaged.attention import AttentionBackend, AttentionMetadata
+from minipaged.attention.metadata import BLOCK_TABLE_WIDTH_MULTIPLE
 from minipaged.block_manager import BlockManager
 from minipaged.kv_cache import copy_blocks, to_device
 from minipaged.scheduler import SchedulerOutput
@@ -95,9 +96,8 @@ class ModelRunner:
             if s.samples:
                 sample_row[id(s)] = len(input_ids) - 1
         num_seqs, num_tokens = len(tables), len(input_ids)
-        # Widths rounded up to 16 entries: the row stride is a kernel argument, and Triton
-        # specialises integer arguments on divisibility by 16 (a new variant otherwise).
-        width = -(-max(map(len, tables)) // 16) * 16
+        m = BLOCK_TABLE_WIDTH_MULTIPLE  # (see its comment)
+        width = -(-max(map(len, tables)) // m) * m
         # The int32 inputs share one host buffer and the int64 inputs another, so that a step
         # makes two host-to-device copies, not seven. Each part starts at a multiple of 32
         # elements: Triton compiles a kernel variant per pointer alignment it sees, and a

@@ -17,6 +17,12 @@ from typing import Any, Optional
 import torch
 
 
+# Block-table rows are padded to a multiple of this many entries: the row stride is a kernel
+# argument, and Triton compiles a new kernel variant when an int argument's divisibility by 16
+# changes (model_runner.py pads each step's table, cuda_graphs.py its static buffer).
+BLOCK_TABLE_WIDTH_MULTIPLE = 16
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (num_tokens,) int64: cache slot of each new token; -1 = padding

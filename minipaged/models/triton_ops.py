@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minipaged.attention.triton_kernels import _check_last_dim_contiguous, _last_dim_contiguous
+
 
 def _num_warps(elements: int) -> int:
     """Warps for a program that touches `elements` values: enough threads, none idle."""
@@ -252,7 +254,7 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     assert k_cache.stride() == v_cache.stride(), "K and V caches must share one layout"
     qkv, cos, sin = _last_dim_contiguous(qkv), _last_dim_contiguous(cos), _last_dim_contiguous(sin)
     assert cos.stride() == sin.stride(), "cos and sin tables must share one layout"
-    _last_dim_contiguous(k_cache, must_be=True)
+    _check_last_dim_contiguous(k_cache=k_cache, v_cache=v_cache)  # written in place
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return q
@@ -280,10 +282,3 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as (rows, last dim) with a contiguous last dim (a view whenever possible)."""
     return _last_dim_contiguous(x.reshape(-1, x.shape[-1]))
 
-
-def _last_dim_contiguous(t: torch.Tensor, must_be: bool = False) -> torch.Tensor:
-    if t.stride(-1) == 1:
-        return t
-    if must_be:  # an output written in place cannot be copied
-        raise ValueError(f"expected a contiguous last dimension, got strides {t.stride()}")
-    return t.contiguous()
