@@ -133,6 +133,15 @@ def _as_view(source, step: Optional[int] = None, names=None) -> BlockTableView:
     raise TypeError(f"cannot draw block tables from {type(source).__name__}")
 
 
+def _figure(ax, figsize):
+    """(fig, ax, own): a new figure of `figsize` when `ax` is None (own=True: the caller lays it
+    out), else the figure `ax` belongs to."""
+    if ax is None:
+        fig, ax = plt.subplots(figsize=figsize)
+        return fig, ax, True
+    return ax.figure, ax, False
+
+
 def plot_block_tables(source, step: Optional[int] = None, *, names=None,
                       max_physical: Optional[int] = None, physical_cols: int = 16,
                       max_rows: int = 12, title: Optional[str] = None):
@@ -243,11 +252,7 @@ def plot_memory_waste(results, ax=None, include_free: bool = False, paper: bool 
     reserved + fragmentation) unless `include_free`. The paper's token-state share is marked ◆.
     """
     from minipaged.memory_waste import CATEGORIES, CATEGORY_LABELS, PAPER_TOKEN_STATE_SHARE
-    own = ax is None
-    if own:
-        fig, ax = plt.subplots(figsize=(8, 0.5 * len(results) + 1.6))
-    else:
-        fig = ax.figure
+    fig, ax, own = _figure(ax, (8, 0.5 * len(results) + 1.6))
     cats = CATEGORIES if include_free else CATEGORIES[:-1]
     labels = [r.label for r in results]
     for y, r in enumerate(results):
@@ -284,11 +289,7 @@ def plot_memory_waste(results, ax=None, include_free: bool = False, paper: bool 
 def plot_waste_over_time(result, ax=None, title: Optional[str] = None):
     """Stacked area of the five categories, step by step, for one strategy."""
     from minipaged.memory_waste import CATEGORIES, CATEGORY_LABELS
-    own = ax is None
-    if own:
-        fig, ax = plt.subplots(figsize=(7, 2.8))
-    else:
-        fig = ax.figure
+    fig, ax, own = _figure(ax, (7, 2.8))
     # step i's state holds from i to i + 1: draw steps, not lines between them
     xs = [s.step for s in result.steps] + [len(result.steps)]
     bottom = [0.0] * len(xs)
@@ -330,11 +331,7 @@ def block_size_tradeoff(requests, capacity: int, block_sizes: Sequence[int] = (1
 
 def plot_block_size_tradeoff(rows: Sequence[dict], ax=None, title: Optional[str] = None):
     """Internal fragmentation (falls with smaller blocks) vs block-table entries (grow)."""
-    own = ax is None
-    if own:
-        fig, ax = plt.subplots(figsize=(6.5, 3.2))
-    else:
-        fig = ax.figure
+    fig, ax, own = _figure(ax, (6.5, 3.2))
     bss = [r["block_size"] for r in rows]
     ax.plot(bss, [r["internal_fragmentation"] for r in rows], "o-", color=CATEGORY_COLORS[
         "internal_fragmentation"], label="internal fragmentation")
@@ -391,12 +388,8 @@ def plot_gantt(states: Sequence[Sequence[RequestState]], labels: Optional[Sequen
                highlight: Optional[int] = None, max_cols: Optional[int] = None):
     """One row per request, one column per step, coloured by `RequestState`."""
     import numpy as np
-    own = ax is None
     n = len(states)
-    if own:
-        fig, ax = plt.subplots(figsize=(9, min(0.22 * n + 1.4, 7)))
-    else:
-        fig = ax.figure
+    fig, ax, own = _figure(ax, (9, min(0.22 * n + 1.4, 7)))
     m = np.array([[int(s) for s in row] for row in states], dtype=float) if n else np.zeros((0, 0))
     if max_cols is not None and m.shape[1] < max_cols:
         pad = np.full((n, max_cols - m.shape[1]), float(RequestState.ABSENT))
@@ -470,11 +463,7 @@ def plot_static_vs_continuous(trace: Sequence[StepRecord], prompt_lens: Sequence
 
 def plot_kv_utilization(trace: Sequence[StepRecord], ax=None, title: Optional[str] = None):
     """KV blocks used (and cached) per step, with running / waiting requests on a second axis."""
-    own = ax is None
-    if own:
-        fig, ax = plt.subplots(figsize=(8, 3))
-    else:
-        fig = ax.figure
+    fig, ax, own = _figure(ax, (8, 3))
     xs = list(range(len(trace)))
     total = [r.num_blocks_used + r.num_blocks_free + r.num_blocks_cached for r in trace]
     used = [r.num_blocks_used / t for r, t in zip(trace, total)]
@@ -525,11 +514,7 @@ def plot_throughput(results, baseline: Optional[str] = None, ax=None, title: Opt
     names = list(results)
     vals = [results[n] for n in names]
     base = results.get(baseline) if baseline else None
-    own = ax is None
-    if own:
-        fig, ax = plt.subplots(figsize=(7, 0.5 * len(names) + 1.3))
-    else:
-        fig = ax.figure
+    fig, ax, own = _figure(ax, (7, 0.5 * len(names) + 1.3))
     colors = ["#2b8cbe" if n.startswith("minipaged") else "0.6" for n in names]
     ax.barh(range(len(names)), vals, color=colors)
     for i, v in enumerate(vals):
@@ -551,11 +536,7 @@ def plot_throughput(results, baseline: Optional[str] = None, ax=None, title: Opt
 def plot_kv_cache_size(models: Mapping[str, int], max_tokens: int = 131072,
                        budget_gib: Optional[float] = None, ax=None, title: Optional[str] = None):
     """KV cache GiB vs tokens, for {name: bytes per token}; optionally a memory budget line."""
-    own = ax is None
-    if own:
-        fig, ax = plt.subplots(figsize=(7, 3.2))
-    else:
-        fig = ax.figure
+    fig, ax, own = _figure(ax, (7, 3.2))
     xs = [2 ** k for k in range(4, int(math.log2(max_tokens)) + 1)]
     for name, bpt in models.items():
         ys = [x * bpt / 2 ** 30 for x in xs]
