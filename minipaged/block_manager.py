@@ -144,6 +144,21 @@ class BlockUsage:
         return self.num_tokens_stored / self.num_slots_allocated if self.num_slots_allocated else 1.0
 
 
+def _move(table: list[int], src: BlockAllocator, dst: BlockAllocator,
+          mapping: dict[int, int]) -> list[int]:
+    """`table` rebuilt from `dst`'s blocks (swapping): a block already moved for another sequence
+    of the group (`mapping`, src -> dst id) is referenced once more, any other is allocated; the
+    `src` references are dropped, tail first. Returns the new table."""
+    for b in table:
+        if b in mapping:
+            dst.incref(dst.blocks[mapping[b]])
+        else:
+            mapping[b] = dst.allocate().block_id
+    for b in reversed(table):
+        src.decref(src.blocks[b])
+    return [mapping[b] for b in table]
+
+
 def _check_ref_counts(allocator: BlockAllocator, tables: Iterable[list[int]], what: str) -> list[int]:
     """Every block's ref count equals its number of table entries, and a block is in the free
     queue exactly when nothing references it. Returns the counted references per block."""
@@ -373,18 +388,11 @@ class BlockManager:
         also used outside the group (a prefix hit) stays on the GPU for its other users.
         """
         mapping: dict[int, int] = {}
-        cpu = self.cpu_allocator
         for s in seqs:
             table = self.block_tables.pop(s.seq_id)
-            for b in table:
-                if b in mapping:
-                    cpu.incref(cpu.blocks[mapping[b]])
-                else:
-                    mapping[b] = cpu.allocate().block_id
-            for b in reversed(table):
-                self.allocator.decref(self.allocator.blocks[b])
             self.num_block_refs -= len(table)
-            self.cpu_block_tables[s.seq_id] = [mapping[b] for b in table]
+            self.cpu_block_tables[s.seq_id] = _move(table, self.allocator, self.cpu_allocator,
+                                                    mapping)
         return list(mapping.items())
 
     def num_swap_in_blocks(self, seqs: list[Sequence]) -> int:
@@ -397,17 +405,9 @@ class BlockManager:
         Full blocks are published to the prefix cache again (first writer wins).
         """
         mapping: dict[int, int] = {}
-        a, cpu = self.allocator, self.cpu_allocator
+        a = self.allocator
         for s in seqs:
-            cpu_table = self.cpu_block_tables.pop(s.seq_id)
-            for c in cpu_table:
-                if c in mapping:
-                    a.incref(a.blocks[mapping[c]])
-                else:
-                    mapping[c] = a.allocate().block_id
-            for c in reversed(cpu_table):
-                cpu.decref(cpu.blocks[c])
-            table = [mapping[c] for c in cpu_table]
+            table = _move(self.cpu_block_tables.pop(s.seq_id), self.cpu_allocator, a, mapping)
             self.block_tables[s.seq_id] = table
             self.num_block_refs += len(table)
             bs = self.block_size
