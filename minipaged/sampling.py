@@ -171,10 +171,11 @@ class Sampler:
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> SamplerOutput:
-        """logits: (num_seqs, vocab) fp32, one row per sequence in `seqs`."""
+        """logits: (num_seqs, vocab), one row per sequence in `seqs`, in the model's dtype
+        (fp32 where it matters: logprobs and the torch path widen them first)."""
         params = [s.sampling_params for s in seqs]
         want_logprobs = [p.logprobs is not None for p in params]
-        raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
+        raw_logprobs = logits.float().log_softmax(dim=-1) if any(want_logprobs) else None
         tokens = self.sample(logits, seqs)
         token_list = tokens.tolist()  # the step's one host sync
         out = SamplerOutput(token_ids=token_list)
@@ -189,7 +190,13 @@ class Sampler:
         params = [s.sampling_params for s in seqs]
         banned_rows = [i for i, s in enumerate(seqs)
                        if s.num_output_tokens < s.sampling_params.min_tokens]
-        if banned_rows or any(p.has_penalties for p in params):
+        penalties = any(p.has_penalties for p in params)
+        kernel = self._kernel_applies(logits, params)
+        if penalties or not kernel:
+            # The torch path computes in fp32; the kernel widens bf16 logits as it reads them
+            # (a (256, 151,936) fp32 copy would cost more than the whole kernel).
+            logits = logits.float()
+        if banned_rows or penalties:
             logits = apply_penalties(logits.clone(), seqs)
             for i in banned_rows:
                 ban = list(seqs[i].sampling_params.stop_token_ids)
@@ -200,7 +207,7 @@ class Sampler:
 
         if all(p.greedy for p in params):
             return logits.argmax(dim=-1)
-        if self._kernel_applies(logits, params):  # banned tokens (-inf) never win there either
+        if kernel:  # banned tokens (-inf) never win there either
             from minipaged.sampling_kernels import gumbel_sample
             inv_t = to_device([0.0 if p.greedy else 1.0 / p.temperature for p in params],
                               logits.device, torch.float32)

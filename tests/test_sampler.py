@@ -475,3 +475,22 @@ def test_kernel_chunks_of_the_vocabulary_change_no_token():
     assert parts.tolist() == whole.tolist()
     assert parts[[0, 3]].tolist() == logits[[0, 3]].argmax(-1).tolist()
     assert gumbel_sample(logits, inv_t, seed=124, chunk=1024).tolist() != whole.tolist()
+
+
+@IGNORE_INTERPRETER_WARNINGS
+def test_kernel_reads_bf16_logits_and_breaks_ties_like_argmax():
+    """The model hands the sampler bf16 logits on the GPU; the kernel widens them as it reads,
+    so it draws exactly what it draws from their fp32 copy. A greedy row whose maximum appears
+    twice (possible in bf16) takes the first, as torch.argmax does."""
+    pytest.importorskip("triton")
+    from minipaged.sampling_kernels import gumbel_sample
+    gen = torch.Generator().manual_seed(12)
+    logits = distinct_logits(gen, 4, 3000, scale=0.5).to(torch.bfloat16)
+    inv_t = torch.tensor([0.0, 1.0, 2.0, 0.5])
+    assert (gumbel_sample(logits, inv_t, seed=9).tolist()
+            == gumbel_sample(logits.float(), inv_t, seed=9).tolist())
+    tied = torch.zeros(2, 3000)
+    tied[:, [1500, 2999, 7]] = 3.0  # one tie inside a tile, one across tiles
+    assert gumbel_sample(tied, torch.zeros(2), seed=1).tolist() == [7, 7]
+    tied[:, 7] = 0.0
+    assert gumbel_sample(tied, torch.zeros(2), seed=1, chunk=1024).tolist() == [1500, 1500]

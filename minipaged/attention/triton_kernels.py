@@ -128,6 +128,9 @@ def _attend_key_tile(
     offs_n = kv_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key positions of this tile
     if MASKED:
         n_mask = offs_n < kv_end
+    if BLOCK_N <= BLOCK_SIZE:  # the tile lies inside one block: one block-table entry
+        block_ids = tl.load(block_table_row + kv_start // BLOCK_SIZE)
+    elif MASKED:
         block_ids = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
     else:
         block_ids = tl.load(block_table_row + offs_n // BLOCK_SIZE)
@@ -312,9 +315,13 @@ def decode_config(head_dim: int, group: int, interpret: bool) -> KernelConfig:
 
     Memory-bound. On decode steps shaped like a serving workload (benchmarks/attention_workload.py:
     256 down to 36 sequences, contexts of 100-2,000 keys, H200), tiles of 128 keys on 4 warps with
-    a 2-stage pipeline read fastest: 3.70 / 3.84 / 3.68 / 2.93 TB/s at the four phases against
-    3.63 / 3.71 / 3.49 / 2.59 for the 64-key, 2-warp, 3-stage tiles that win on uniform
-    64 x 4096 batches (benchmarks/attention.py --sweep).
+    num_stages=2 read fastest: 3.72 / 3.84 / 3.67 / 3.54 / 2.98 TB/s at 256 / 196 / 118 / 83 / 36
+    sequences; 8 warps, 3 stages, 64-key tiles and split-KV at the small batches were all slower.
+    The compiled kernel keeps one K and one V tile in shared memory (72 KB) and uses 168 registers
+    per thread: 3 programs per SM, 12 warps (Nsight Compute: 82% of DRAM peak at 256 sequences,
+    69% at 36, where fewer programs than SM slots are left). Blocks of 128 tokens read 3-4%
+    faster than blocks of 16 (fewer, longer runs of memory; a tile then needs one block-table
+    entry).
     """
     rows = max(16, triton.next_power_of_2(group))
     if interpret:  # big tiles = few Python-level loop iterations in the interpreter

@@ -273,8 +273,9 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(num_rows, vocab) scores in the model's dtype; the sampler widens them where it must."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()  # (num_rows, vocab)
+        return F.linear(hidden, weight)  # (num_rows, vocab)
 
     # --- weights ----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
