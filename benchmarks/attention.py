@@ -175,7 +175,7 @@ class Problem:
         """minipaged's path: the backend's plan (config, split count) unless overridden."""
         backend = TritonBackend(num_splits=num_splits)
         backend.prepare(self.metadata)
-        launch = backend._launch(self.metadata.plan, self.q_flat, self.k_cache)
+        launch, = backend._launches(self.metadata.plan, self.q_flat, self.k_cache)  # uniform: one
         config = config or launch.config
         splits = launch.num_splits if num_splits is None else num_splits
         workspace = launch.workspace if splits == launch.num_splits else (

@@ -133,8 +133,9 @@ class LLMEngine:
         num_blocks = determine_num_blocks(config, self.model_config, self.kv_dtype, self.device,
                                           profile=self._profile_peak_memory)
         self.num_blocks = num_blocks
-        self.kv_cache = allocate_kv_cache(self.model_config, num_blocks, config.block_size,
-                                          self.kv_dtype, self.device)
+        self.kv_cache = allocate_kv_cache(
+            self.model_config, num_blocks, config.block_size, self.kv_dtype, self.device,
+            head_major=self.device.type == "cuda" and self.backend.name == "triton")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         # Swap preemption: a CPU pool of the same layout (lesson 06).
         self.block_bytes = block_bytes(self.model_config, config.block_size, self.kv_dtype)

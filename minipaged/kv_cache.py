@@ -5,7 +5,12 @@
 
 Per layer this is vLLM's Triton layout `[num_blocks, block_size, num_kv_heads, head_dim]`: one
 block-table entry addresses a contiguous slab. Slot `s` is (block s // block_size, offset
-s % block_size). Lesson 00 derives the size formula
+s % block_size). On CUDA with the Triton backend the same logical tensor is stored head-major,
+`[num_blocks, num_kv_heads, block_size, head_dim]` in memory and transposed back in the view:
+every kernel follows strides, and a decode program, which reads one KV head of a sequence, then
+reads each block as one contiguous run (16 x 128 bf16 = 4 KB) instead of 16 runs of 256 bytes;
+on the H200 that reads 1-2% faster (benchmarks/attention_workload.py --head-major). Code that
+needs flat slots (`torch_ref`) keeps the plain layout. Lesson 00 derives the size formula
 
     bytes per token = 2 x num_layers x num_kv_heads x head_dim x bytes_per_element
 
@@ -109,10 +114,15 @@ def determine_num_blocks(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch
 
 
 def allocate_kv_cache(model_cfg: ModelConfig, num_blocks: int, block_size: int,
-                      dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    shape = (model_cfg.num_hidden_layers, 2, num_blocks, block_size,
-             model_cfg.num_key_value_heads, model_cfg.head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device)
+                      dtype: torch.dtype, device: torch.device,
+                      head_major: bool = False) -> torch.Tensor:
+    """(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), zeroed; with `head_major`
+    a transposed view of (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim) memory."""
+    layers, heads, dim = model_cfg.num_hidden_layers, model_cfg.num_key_value_heads, model_cfg.head_dim
+    if head_major:
+        return torch.zeros((layers, 2, num_blocks, heads, block_size, dim), dtype=dtype,
+                           device=device).transpose(3, 4)
+    return torch.zeros((layers, 2, num_blocks, block_size, heads, dim), dtype=dtype, device=device)
 
 
 def copy_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:

@@ -37,8 +37,8 @@ class ModelRunner:
         self.device = device
         self.block_size = block_manager.block_size
         self.graph_runner = None
-        # Order the flat batch by context length, longest first (GPU only; the lessons print
-        # the CPU's batches in scheduler order).
+        # Order the flat batch decodes first, each group longest context first (GPU only; the
+        # lessons print the CPU's batches in scheduler order).
         self.longest_first = device.type == "cuda"
         if device.type == "cuda" and not enforce_eager and backend.name == "triton":
             from minipaged.cuda_graphs import CUDAGraphRunner
@@ -70,8 +70,10 @@ class ModelRunner:
             # The attention kernel's programs start in this order and the GPU hands out
             # programs as SMs free up: longest contexts first keeps a short one from finishing
             # the step alone (the sampled rows are gathered back into scheduler order below).
-            entries = sorted(entries, key=lambda s: s.seq.num_computed_tokens + s.num_new_tokens,
-                             reverse=True)
+            # Decodes (one new token) go before prefills: the Triton backend then attends to
+            # the two groups in two launches, each with its own tile shape.
+            entries = sorted(entries, key=lambda s: (s.num_new_tokens != 1,
+                                                     -(s.seq.num_computed_tokens + s.num_new_tokens)))
         for s in entries:
             seq, n = s.seq, s.num_new_tokens
             start = seq.num_computed_tokens

@@ -1,29 +1,37 @@
-"""One Triton kernel for the sampler's common case on the GPU: temperature sampling, nothing else.
+"""Two small Triton kernels for the sampler's common case on the GPU: temperature sampling.
 
 Lesson 04 draws the sampler's stages with torch ops, one pass over the (rows, vocab) logits
 each: divide by the temperature, softmax, draw Exp(1) noise, divide, argmax. For Qwen3's vocabulary
 of 151,936 tokens and 256 rows, each pass moves 155 MB, and the sampler reads or writes about
 2 GB per decode step; lesson 08 shows that this is a visible share of a step that should
-be reading KV cache instead. This kernel reads each logit once.
+be reading KV cache instead. Here the logits are read once, plus one chunk per row.
 
 It draws from softmax(logits / T) with the Gumbel-max trick, which is the sampler's exponential
 race written in logs: argmax(p / E) with E = -log(U), U ~ Uniform(0, 1), equals
 
     argmax(logits / T - log(-log U))        (the softmax's normaliser is the same for every token)
 
-A program walks a chunk of one row's vocabulary in tiles, keeping the best key and its index;
-one small argmax then picks each row's best chunk. The uniform numbers come from Triton's
-counter-based generator (Philox, `tl.rand4x(seed, offset)`: four numbers per draw, one for each
-token of a quad of 4), so a step needs no noise tensor, and a token's number does not depend on
-how the vocabulary is chunked: `seed` is drawn once per step from the engine's seeded host
-generator. Rows with temperature 0 (`inv_temperature` 0) take the argmax.
+Drawing one random number per token is what made a one-pass kernel slow (a Philox draw costs
+more than reading the logit). So the draw is split in two, which is still exact:
 
-The logits arrive in the model's dtype (bf16 on the GPU) and are widened in registers: a separate
-fp32 copy of a (256, 151,936) logits tensor would cost more than this kernel.
+1. `chunk_stats_kernel`: one program per chunk of a row's vocabulary (2,048 tokens) computes the
+   chunk's log-sum-exp of logits / T, and its maximum and first argmax (for greedy rows).
+2. `pick_kernel`: one program per row. The largest of a set of independent Gumbel-perturbed
+   scores is itself Gumbel-distributed around the set's log-sum-exp, so the chunk that holds the
+   sampled token is drawn by Gumbel-max over the chunks' log-sum-exps: chunk c wins with
+   probability Z_c / Z. Then a Gumbel-max over that chunk's tokens picks token i with
+   probability exp(logit_i / T) / Z_c. Together: exp(logit_i / T) / Z, the softmax.
 
-The sampler uses it only when every row is greedy or unseeded with no top-k/top-p/min-p (tokens
-banned by min_tokens are -inf logits, which never win); everything else takes the torch path of
-`sampling.py`.
+The uniform numbers come from Triton's counter-based generator (Philox, `tl.rand4x(seed,
+offset)`: four numbers per draw, one for each token of a quad of 4), so a step needs no noise
+tensor: `seed` is drawn once per step from the engine's seeded host generator; tokens and chunks
+use disjoint counters. Rows with temperature 0 (`inv_temperature` 0) take the argmax (the first
+one, as torch.argmax). The logits arrive in the model's dtype (bf16 on the GPU) and are widened
+in registers: a separate fp32 copy of them would cost more than both kernels.
+
+The sampler uses these only when every row is greedy or unseeded with no top-k/top-p/min-p
+(tokens banned by min_tokens are -inf logits, which never win); everything else takes the torch
+path of `sampling.py`.
 """
 from __future__ import annotations
 
@@ -31,52 +39,88 @@ import torch
 import triton
 import triton.language as tl
 
+LOG2E = 1.4426950408889634
 
-# `seed` changes every step: specialising on it (Triton does for ints divisible by 16) would compile
-# a second variant in the middle of a run.
-@triton.jit(do_not_specialize=["seed"])
-def gumbel_argmax_kernel(
+
+@triton.jit
+def chunk_stats_kernel(
     logits_ptr,  # (rows, vocab), last dim contiguous; any float dtype, read as fp32
     inv_temperature_ptr,  # (rows,) fp32: 1 / T, or 0 for greedy rows
-    best_key_ptr,  # (rows, num_chunks) fp32: the best key of each chunk of the vocabulary ...
-    best_idx_ptr,  # (rows, num_chunks) int64: ... and its token id
-    stride_row, vocab, seed,
-    CHUNK: tl.constexpr,  # tokens per program (a multiple of BLOCK)
-    BLOCK: tl.constexpr,  # tokens per loop iteration (a multiple of 4)
+    lse_ptr,  # (rows, num_chunks) fp32: log2 of sum over the chunk of 2^(logit / T * log2 e)
+    max_ptr,  # (rows, num_chunks) fp32: the chunk's largest logit ...
+    argmax_ptr,  # (rows, num_chunks) int32: ... and the first token holding it
+    stride_row, vocab,
+    CHUNK: tl.constexpr,  # tokens per chunk (a power of two)
 ):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     inv_t = tl.load(inv_temperature_ptr + row)
-    sampled = inv_t > 0
-    base = logits_ptr + row.to(tl.int64) * stride_row
-    # The tile is BLOCK consecutive tokens seen as (BLOCK // 4, 4): token 4 * quad + lane. One
-    # Philox draw (tl.rand4x) gives the four uniforms of a quad; drawing one number per token
-    # (tl.rand) would run the generator four times as often, and it is what bounds this kernel.
-    quads = tl.arange(0, BLOCK // 4)
-    lanes = tl.arange(0, 4)
-    quads_per_row = tl.cdiv(vocab, 4)
-    best_key = float("-inf")
-    best_idx = chunk * CHUNK
-    for start in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, vocab), BLOCK):
-        cols = start + quads[:, None] * 4 + lanes[None, :]  # (BLOCK // 4, 4) token ids
+    scale = tl.where(inv_t > 0, inv_t, 1.0) * 1.4426950408889634  # to log2 units
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab,
+                other=float("-inf")).to(tl.float32)
+    m = tl.max(x, axis=0)
+    first = tl.min(tl.where(x == m, cols, vocab), axis=0)  # the first maximum, as torch.argmax
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # a chunk of banned (-inf) tokens: no NaN
+    total = tl.sum(tl.exp2((x - m_safe) * scale), axis=0)  # the largest term is 1
+    lse = tl.where(total == 0.0, float("-inf"), m_safe * scale + tl.log2(total))
+    num_chunks = tl.num_programs(1)
+    tl.store(lse_ptr + row * num_chunks + chunk, lse)
+    tl.store(max_ptr + row * num_chunks + chunk, m)
+    tl.store(argmax_ptr + row * num_chunks + chunk, first)
+
+
+@triton.jit
+def _gumbel(u):
+    return -tl.log(-tl.log(u + 1e-20) + 1e-20)  # the epsilons keep u = 0 finite
+
+
+# `seed` changes every step: specialising on it (Triton does for ints divisible by 16) would compile
+# a second variant in the middle of a run.
+@triton.jit(do_not_specialize=["seed"])
+def pick_kernel(
+    logits_ptr, inv_temperature_ptr, lse_ptr, max_ptr, argmax_ptr,  # as above
+    out_ptr,  # (rows,) int64: the sampled token of each row
+    stride_row, vocab, num_chunks, seed,
+    CHUNK: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr,  # num_chunks padded to a power of two
+):
+    row = tl.program_id(0)
+    inv_t = tl.load(inv_temperature_ptr + row)
+    chunks = tl.arange(0, CHUNKS_PAD)
+    stats = row * num_chunks + chunks
+    valid = chunks < num_chunks
+    if inv_t > 0:
+        # 1. which chunk: Gumbel-max over the chunks' log-sum-exps (natural log units). Their
+        #    uniforms sit past every token's counter: rows * quads_per_row + row * num_chunks + c
+        quads_per_row = tl.cdiv(vocab, 4)
+        lse = tl.load(lse_ptr + stats, mask=valid, other=float("-inf")) * 0.6931471805599453
+        u = tl.rand(seed, tl.num_programs(0) * quads_per_row + stats)
+        key = tl.where(valid, lse + _gumbel(u), float("-inf"))
+        chunk = tl.argmax(key, axis=0)
+        # 2. which token of that chunk: Gumbel-max over its logits / T. The tile is CHUNK
+        #    consecutive tokens seen as (CHUNK // 4, 4), token 4 * quad + lane: one Philox draw
+        #    (tl.rand4x) gives the four uniforms of a quad.
+        quads = tl.arange(0, CHUNK // 4)
+        lanes = tl.arange(0, 4)
+        cols = chunk * CHUNK + quads[:, None] * 4 + lanes[None, :]  # (CHUNK // 4, 4) token ids
         mask = cols < vocab
-        x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        u0, u1, u2, u3 = tl.rand4x(seed, row * quads_per_row + start // 4 + quads)
+        x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=mask,
+                    other=float("-inf")).to(tl.float32)
+        u0, u1, u2, u3 = tl.rand4x(seed, row * quads_per_row + chunk * (CHUNK // 4) + quads)
         u = tl.where(lanes[None, :] == 0, u0[:, None],  # lane l of each quad takes u_l
                      tl.where(lanes[None, :] == 1, u1[:, None],
                               tl.where(lanes[None, :] == 2, u2[:, None], u3[:, None])))
-        gumbel = -tl.log(-tl.log(u + 1e-20) + 1e-20)  # the epsilons keep u = 0 finite
-        key = x * tl.where(sampled, inv_t, 1.0) + tl.where(sampled, gumbel, 0.0)
-        key = tl.where(mask, key, float("-inf"))
-        tile_best = tl.max(tl.max(key, axis=1), axis=0)
-        # the first token holding the maximum, as torch.argmax picks (greedy rows can tie)
-        tile_idx = tl.min(tl.min(tl.where(key == tile_best, cols, vocab), axis=1), axis=0)
-        better = tile_best > best_key  # strict: an earlier tile wins a tie
-        best_idx = tl.where(better, tile_idx, best_idx)
-        best_key = tl.where(better, tile_best, best_key)
-    num_chunks = tl.num_programs(1)
-    tl.store(best_key_ptr + row * num_chunks + chunk, best_key)
-    tl.store(best_idx_ptr + row * num_chunks + chunk, best_idx.to(tl.int64))
+        key = tl.where(mask, x * inv_t + _gumbel(u), float("-inf"))
+        best = tl.max(tl.max(key, axis=1), axis=0)
+        token = tl.min(tl.min(tl.where(key == best, cols, vocab), axis=1), axis=0)
+        tl.store(out_ptr + row, token.to(tl.int64))
+    else:  # greedy: the first chunk holding the row's maximum, and its first argmax
+        m = tl.load(max_ptr + stats, mask=valid, other=float("-inf"))
+        best = tl.max(m, axis=0)
+        chunk = tl.min(tl.where(valid & (m == best), chunks, CHUNKS_PAD), axis=0)
+        token = tl.load(argmax_ptr + row * num_chunks + chunk)
+        tl.store(out_ptr + row, token.to(tl.int64))
 
 
 def gumbel_sample(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int,
@@ -84,24 +128,28 @@ def gumbel_sample(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int
     """One token per row of `logits` (rows, vocab) from softmax(logits * inv_temperature);
     argmax where inv_temperature is 0. Returns (rows,) int64 on the logits' device.
 
-    Each row's vocabulary is cut into chunks of `chunk` tokens, one program each, so that even a
-    few rows fill the GPU (Qwen3's 151,936 tokens: 10 programs per row); the best of each chunk is
-    then chosen with one small argmax (ties: the first chunk, as torch.argmax)."""
+    `chunk`: tokens per chunk (a power of two, at least 16; default 2,048, Qwen3's 151,936
+    tokens make 75 chunks per row). Any chunking draws from the same distribution; the tokens
+    drawn for a given seed depend on it."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
-        return torch.empty(0, dtype=torch.int64, device=logits.device)
+        return out
     interpret = logits.device.type == "cpu"
-    block = min(max(16, triton.next_power_of_2(vocab)), 1024 if interpret else 2048)
-    chunk = chunk or (block if interpret else 8 * block)
-    chunk = triton.cdiv(chunk, block) * block
+    chunk = chunk or min(max(16, triton.next_power_of_2(vocab)), 1024 if interpret else 2048)
+    assert chunk >= 16 and chunk & (chunk - 1) == 0, f"chunk={chunk}: a power of two >= 16"
     num_chunks = triton.cdiv(vocab, chunk)
-    keys = torch.empty((rows, num_chunks), dtype=torch.float32, device=logits.device)
-    idx = torch.empty((rows, num_chunks), dtype=torch.int64, device=logits.device)
-    gumbel_argmax_kernel[(rows, num_chunks)](
-        logits, inv_temperature, keys, idx, logits.stride(0), vocab, seed,
-        CHUNK=chunk, BLOCK=block, num_warps=4 if interpret else 8)
-    if num_chunks == 1:
-        return idx[:, 0]
-    return idx.gather(1, keys.argmax(dim=1, keepdim=True)).squeeze(1)  # (rows,)
+    lse = torch.empty((rows, num_chunks), dtype=torch.float32, device=logits.device)
+    maxes = torch.empty((rows, num_chunks), dtype=torch.float32, device=logits.device)
+    argmax = torch.empty((rows, num_chunks), dtype=torch.int32, device=logits.device)
+    warps = 1 if interpret else 4
+    chunk_stats_kernel[(rows, num_chunks)](
+        logits, inv_temperature, lse, maxes, argmax, logits.stride(0), vocab,
+        CHUNK=chunk, num_warps=warps)
+    pick_kernel[(rows,)](
+        logits, inv_temperature, lse, maxes, argmax, out, logits.stride(0), vocab, num_chunks,
+        seed, CHUNK=chunk, CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)),
+        num_warps=warps)
+    return out

@@ -108,7 +108,8 @@ def qkv_rope_reference(qkv, positions, cos, sin, q_norm, k_norm, num_heads, num_
     (16, 8, 128, False, torch.float32),
     (2, 1, 64, True, torch.float16),
 ])
-def test_qkv_rope_store(num_heads, num_kv_heads, head_dim, qk_norm, dtype):
+@pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
+def test_qkv_rope_store(num_heads, num_kv_heads, head_dim, qk_norm, dtype, head_major):
     g = torch.Generator().manual_seed(head_dim + num_heads)
     block_size, num_blocks = 4, 6
     slot_mapping = torch.tensor([5, -1, 17, 0, 22, -1], device=DEVICE)  # shuffled, two padding
@@ -121,6 +122,9 @@ def test_qkv_rope_store(num_heads, num_kv_heads, head_dim, qk_norm, dtype):
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
     v_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    if head_major:  # the GPU engine's cache: (block, kv_head, slot, dim) memory, transposed view
+        k_cache, v_cache = (torch.full((num_blocks, num_kv_heads, block_size, head_dim), float("nan"),
+                                       dtype=dtype, device=DEVICE).transpose(1, 2) for _ in range(2))
 
     q = ops.qkv_rope_store(qkv, positions, cos, sin, q_norm, k_norm, EPS, k_cache, v_cache,
                            slot_mapping, num_heads, num_kv_heads, head_dim)
@@ -130,8 +134,8 @@ def test_qkv_rope_store(num_heads, num_kv_heads, head_dim, qk_norm, dtype):
     assert_close(q, q_ref, dtype)
     real = slot_mapping >= 0
     slots = slot_mapping[real]
-    k_slots = k_cache.view(-1, num_kv_heads, head_dim)  # (num_blocks * block_size, kv_heads, dim)
-    v_slots = v_cache.view(-1, num_kv_heads, head_dim)
+    k_slots = k_cache.reshape(-1, num_kv_heads, head_dim)  # (num_blocks * block_size, kv_heads, dim)
+    v_slots = v_cache.reshape(-1, num_kv_heads, head_dim)
     assert_close(k_slots[slots], k_ref[real], dtype)
     assert torch.equal(v_slots[slots], qkv[real, (num_heads + num_kv_heads) * head_dim:]
                        .view(-1, num_kv_heads, head_dim))

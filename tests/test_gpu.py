@@ -85,6 +85,20 @@ def test_sampling_kernel_matches_softmax_on_gpu():
     probs = (logits.cpu().double() / 0.7).softmax(-1)
     chi2 = float(((counts - probs * n) ** 2 / (probs * n)).sum())
     assert chi2 < 30.0, (counts / n, probs)  # 5 degrees of freedom: P(chi2 > 30) ~ 1.5e-5
+    # Qwen3's vocabulary in bf16, live tokens in different 2,048-token chunks: the chunk is
+    # drawn first, then the token inside it
+    live = torch.tensor([5, 2047, 2048, 70_000, 70_001, 151_935])
+    values = torch.tensor([0.3, 1.0, -0.2, 0.8, 0.0, 0.5])
+    big = torch.full((151_936,), float("-inf"))
+    big[live] = values
+    big = big.to("cuda", torch.bfloat16)
+    n = 20_000
+    tokens = sampler.sample(big.repeat(n, 1), [seq] * n).cpu()
+    assert set(tokens.tolist()) <= set(live.tolist())
+    counts = torch.bincount(tokens, minlength=151_936)[live].double()
+    probs = (values.to(torch.bfloat16).double() / 0.7).softmax(-1)
+    chi2 = float(((counts - probs * n) ** 2 / (probs * n)).sum())
+    assert chi2 < 30.0, (counts / n, probs)
 
 
 def test_async_scheduling_equals_sync_on_gpu(tmp_path):

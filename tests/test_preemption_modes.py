@@ -16,15 +16,20 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from minipaged import LLM, BeamSearchParams, EngineConfig, SamplingParams
 from minipaged.block_manager import BlockManager
-from minipaged.kv_cache import allocate_cpu_cache, swap_in_blocks, swap_out_blocks
+from minipaged.kv_cache import allocate_cpu_cache, copy_blocks, swap_in_blocks, swap_out_blocks
 from minipaged.sequence import Sequence, SequenceGroup
 
 
-def test_swap_round_trip_is_bit_exact_and_keeps_sharing():
+@pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
+def test_swap_round_trip_is_bit_exact_and_keeps_sharing(head_major):
+    """Also with the head-major cache the GPU engine allocates (a transposed view)."""
     bs, nb = 4, 16
     bm = BlockManager(nb, bs, enable_prefix_caching=False)
     bm.enable_swap(12)
     kv = torch.randn(3, 2, nb, bs, 2, 5, dtype=torch.float64)
+    if head_major:
+        kv = torch.empty(3, 2, nb, 2, bs, 5, dtype=torch.float64).transpose(3, 4).copy_(kv)
+        assert kv.stride()[3:] == (5, bs * 5, 1)
     cpu = allocate_cpu_cache(kv, 12)
     assert cpu.shape == (12, 3, 2, bs, 2, 5)  # block-major: a run of CPU blocks is contiguous
     other = Sequence("o", list(range(6)), SamplingParams())
@@ -37,7 +42,7 @@ def test_swap_round_trip_is_bit_exact_and_keeps_sharing():
     bm.fork(parent, child)
     child.append_token(7)
     copies = bm.append_slots(child, 1)  # copy-on-write of the shared last block
-    kv[:, :, [d for _, d in copies]] = kv[:, :, [s for s, _ in copies]]
+    copy_blocks(kv, copies)
 
     def gather(seq):
         return kv[:, :, bm.block_tables[seq.seq_id]].clone()

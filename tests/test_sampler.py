@@ -462,19 +462,29 @@ def test_kernel_greedy_rows_banned_tokens_and_fallbacks():
 
 
 @IGNORE_INTERPRETER_WARNINGS
-def test_kernel_chunks_of_the_vocabulary_change_no_token():
-    """Each program takes a chunk of a row's vocabulary; the random number of a token depends
-    only on (seed, row, token), so any chunking draws the same tokens."""
+def test_kernel_two_stage_draw_matches_softmax_across_chunks():
+    """The kernel draws a chunk by its log-sum-exp, then a token inside it: together exactly the
+    softmax. Eight live tokens spread over four chunks of 16 (the rest banned, -inf)."""
     pytest.importorskip("triton")
     from minipaged.sampling_kernels import gumbel_sample
+    live = torch.tensor([3, 10, 17, 30, 33, 40, 50, 63])
+    values = torch.tensor([0.5, -0.3, 1.2, 0.0, -1.0, 0.8, 0.3, -0.6])
+    logits = torch.full((64,), float("-inf"))
+    logits[live] = values
+    n, temperature = 600, 0.8
+    inv_t = torch.full((n,), 1 / temperature)
+    tokens = gumbel_sample(logits.repeat(n, 1), inv_t, seed=5, chunk=16)
+    assert set(tokens.tolist()) <= set(live.tolist())
+    counts = torch.bincount(tokens, minlength=64)[live].double()
+    probs = (values.double() / temperature).softmax(-1)
+    assert chi_square(counts, probs) < 25.0, (counts / n, probs)  # 7 d.o.f.: p ~ 0.001
+    assert chi_square(counts, (values.double() / (3 * temperature)).softmax(-1)) > 60.0
+    # greedy rows: the first maximum whatever the chunking
     gen = torch.Generator().manual_seed(11)
-    logits = distinct_logits(gen, 6, 3000, scale=0.5)
-    inv_t = torch.tensor([0.0, 1.0, 2.0, 0.0, 1.0, 0.5])
-    whole = gumbel_sample(logits, inv_t, seed=123, chunk=4096)  # one chunk per row
-    parts = gumbel_sample(logits, inv_t, seed=123, chunk=1024)  # three
-    assert parts.tolist() == whole.tolist()
-    assert parts[[0, 3]].tolist() == logits[[0, 3]].argmax(-1).tolist()
-    assert gumbel_sample(logits, inv_t, seed=124, chunk=1024).tolist() != whole.tolist()
+    many = distinct_logits(gen, 3, 3000, scale=0.5)
+    for chunk in (16, 256, 4096):
+        assert gumbel_sample(many, torch.zeros(3), seed=1, chunk=chunk).tolist() \
+            == many.argmax(-1).tolist()
 
 
 @IGNORE_INTERPRETER_WARNINGS
@@ -494,3 +504,4 @@ def test_kernel_reads_bf16_logits_and_breaks_ties_like_argmax():
     assert gumbel_sample(tied, torch.zeros(2), seed=1).tolist() == [7, 7]
     tied[:, 7] = 0.0
     assert gumbel_sample(tied, torch.zeros(2), seed=1, chunk=1024).tolist() == [1500, 1500]
+    assert gumbel_sample(tied, torch.zeros(2), seed=1, chunk=4096).tolist() == [1500, 1500]

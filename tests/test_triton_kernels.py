@@ -163,6 +163,25 @@ def test_decode_matches_reference(block_size, num_heads, num_kv_heads, head_dim,
     assert_close(out[:case.num_real], case.expected(), dtype)
 
 
+@pytest.mark.parametrize("seqs", [[(1, 70), (1, 9), (1, 33)], [(20, 20), (5, 40), (1, 17)]],
+                         ids=["decode", "prefill"])
+def test_head_major_cache_gives_the_same_results(seqs):
+    """The GPU engine stores each (block, KV head) contiguously and hands the kernels a transposed
+    view (kv_cache.allocate_kv_cache(head_major=True)); they follow its strides."""
+    case = Case(seqs, 16, 8, 4, 32, torch.float32, pad_tokens=1)
+    expected, (kc, vc) = case.expected(), case.expected_caches()
+    nb, bs, heads, dim = case.k_cache.shape
+    for name in ("k_cache", "v_cache"):
+        token_major = getattr(case, name)
+        head_major = torch.empty(nb, heads, bs, dim, dtype=token_major.dtype,
+                                 device=token_major.device).transpose(1, 2).copy_(token_major)
+        setattr(case, name, head_major)
+    out = run_kernels(case, num_splits=1)
+    assert_close(out[:case.num_real], expected, torch.float32)
+    for cache, want in ((case.k_cache, kc), (case.v_cache, vc)):  # the stores follow them too
+        torch.testing.assert_close(cache, want, rtol=0, atol=0, equal_nan=True)
+
+
 def test_decode_more_splits_than_key_tiles():
     # 16 splits of a 20-key context: most parts are empty and must weigh nothing in the merge
     case = Case([(1, 20), (1, 3)], 8, 4, 2, 16, torch.float32)
@@ -231,6 +250,7 @@ def test_prefill_with_splits_and_long_query(block_m, block_n):
 @pytest.mark.parametrize("seqs", [
     pytest.param([(1, 40), (1, 9), (1, 1)], id="decode-only"),
     pytest.param([(12, 30), (1, 9), (4, 4)], id="mixed"),
+    pytest.param([(1, 40), (1, 9), (12, 30), (4, 4)], id="decodes-first"),
 ])
 def test_backend_forward_equals_torch_ref_backend(seqs):
     # torch_ref gathers whole padded rows and masks scores afterwards, so its unused slots must
@@ -251,6 +271,29 @@ def test_backend_forward_equals_torch_ref_backend(seqs):
         assert_close(out[:n], ref[:n], torch.float32)
     torch.testing.assert_close(case.k_cache, ref_case.k_cache, rtol=0, atol=0)
     torch.testing.assert_close(case.v_cache, ref_case.v_cache, rtol=0, atol=0)
+
+
+def test_mixed_step_with_decodes_first_attends_in_two_launches():
+    """Decodes at the front of a mixed step get the decode tiles, the prompts the prefill tiles,
+    each launch over its slice of the sequences; a decode after a prompt keeps one launch."""
+    first = Case([(1, 70), (1, 9), (30, 30), (5, 21)], 8, 8, 4, 16, torch.float32, pad_tokens=1)
+    backend = TritonBackend()
+    backend.prepare(first.metadata)
+    out = backend.forward(first.q, first.k, first.v, first.k_cache, first.v_cache,
+                          first.metadata, first.scale)
+    assert_close(out[:first.num_real], first.expected(), torch.float32)
+    plan = first.metadata.plan
+    assert (plan.num_decodes, plan.max_decode_context_len) == (2, 70)
+    decodes, prompts = next(iter(plan.launches.values()))
+    assert (decodes.first_seq, decodes.num_seqs, decodes.max_query_len) == (0, 2, 1)
+    assert (prompts.first_seq, prompts.num_seqs, prompts.max_query_len) == (2, 2, 30)
+    assert decodes.config == tk.decode_config(16, 2, DEVICE == "cpu")
+    after = Case([(30, 30), (1, 9)], 8, 8, 4, 16, torch.float32)
+    backend.prepare(after.metadata)
+    backend.forward(after.q, after.k, after.v, after.k_cache, after.v_cache, after.metadata,
+                    after.scale)
+    assert after.metadata.plan.num_decodes == 0
+    assert len(next(iter(after.metadata.plan.launches.values()))) == 1
 
 
 def test_choose_num_splits_fills_the_gpu_and_keeps_keys_per_split():

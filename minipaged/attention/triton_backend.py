@@ -36,8 +36,12 @@ def num_sms(device: torch.device) -> int:
 
 @dataclass
 class _Launch:
-    """Everything one layer's launch needs; identical for every layer of a step."""
+    """One kernel launch over the sequences [first_seq, first_seq + num_seqs) of the step; the
+    same for every layer of the step."""
 
+    first_seq: int
+    num_seqs: int
+    max_query_len: int
     config: tk.KernelConfig
     num_splits: int
     workspace: Optional[tuple[torch.Tensor, torch.Tensor]]
@@ -49,7 +53,13 @@ class TritonPlan:
     num_seqs: int
     max_query_len: int
     max_context_len: int
-    # (num_heads, num_kv_heads, head_dim, dtype) -> launch; filled by the first layer's forward
+    # A mixed step whose first `num_decodes` sequences have query length 1 (the GPU model runner
+    # puts decodes first) attends in two launches: those sequences with the decode tiles, the
+    # rest with the prefill tiles. One launch with prefill tiles would give each decode a tile
+    # of 128 query rows of which 2 are real. 0: one launch for the whole step.
+    num_decodes: int = 0
+    max_decode_context_len: int = 0
+    # (num_heads, num_kv_heads, head_dim, dtype) -> launches; filled by the first layer's forward
     launches: dict = field(default_factory=dict)
 
 
@@ -66,35 +76,54 @@ class TritonBackend(AttentionBackend):
         self.num_splits = num_splits
 
     def prepare(self, metadata: AttentionMetadata) -> None:
-        metadata.plan = TritonPlan(decode_only=metadata.max_query_len == 1,
-                                   num_seqs=metadata.num_seqs,
+        decode_only = metadata.max_query_len == 1
+        num_decodes = max_decode_ctx = 0
+        if not decode_only:
+            lens = metadata.query_lens
+            while num_decodes < len(lens) and lens[num_decodes] == 1:
+                num_decodes += 1
+            if num_decodes:
+                max_decode_ctx = max(metadata.context_lens_host[:num_decodes])
+        metadata.plan = TritonPlan(decode_only=decode_only, num_seqs=metadata.num_seqs,
                                    max_query_len=metadata.max_query_len,
-                                   max_context_len=metadata.max_context_len)
+                                   max_context_len=metadata.max_context_len,
+                                   num_decodes=num_decodes, max_decode_context_len=max_decode_ctx)
 
-    def _launch(self, plan: TritonPlan, q: torch.Tensor, k_cache: torch.Tensor) -> _Launch:
+    def _launches(self, plan: TritonPlan, q: torch.Tensor, k_cache: torch.Tensor) -> list[_Launch]:
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         key = (num_heads, num_kv_heads, head_dim, q.dtype)
-        launch = plan.launches.get(key)
-        if launch is not None:
-            return launch
+        launches = plan.launches.get(key)
+        if launches is not None:
+            return launches
         group = num_heads // num_kv_heads
         interpret = q.device.type == "cpu"
-        if plan.decode_only:
-            config = tk.decode_config(head_dim, group, interpret)
+
+        def launch(first_seq, num_seqs, max_query_len, max_context_len, workspace=None):
+            if max_query_len == 1:
+                config = tk.decode_config(head_dim, group, interpret)
+            else:
+                config = tk.prefill_config(head_dim, group, max_query_len, interpret)
+            num_splits = self.num_splits
+            if num_splits is None:
+                block_q = config.block_m // tk.triton.next_power_of_2(group)
+                programs = num_seqs * tk.triton.cdiv(max_query_len, block_q) * num_kv_heads
+                num_splits = tk.choose_num_splits(programs, max_context_len, config,
+                                                  num_sms(q.device))
+            if num_splits > 1 and workspace is None:  # shared by all layers of the step
+                workspace = tk.split_workspace(num_tokens, num_heads, head_dim, num_splits,
+                                               q.device)
+            return _Launch(first_seq, num_seqs, max_query_len, config, num_splits, workspace)
+
+        if plan.num_decodes and plan.num_decodes < plan.num_seqs:  # decodes first, then prefills
+            decodes = launch(0, plan.num_decodes, 1, plan.max_decode_context_len)
+            prefills = launch(plan.num_decodes, plan.num_seqs - plan.num_decodes,
+                              plan.max_query_len, plan.max_context_len)
+            launches = [decodes, prefills]
         else:
-            config = tk.prefill_config(head_dim, group, plan.max_query_len, interpret)
-        num_splits = self.num_splits
-        if num_splits is None:
-            block_q = config.block_m // tk.triton.next_power_of_2(group)
-            programs = plan.num_seqs * tk.triton.cdiv(plan.max_query_len, block_q) * num_kv_heads
-            num_splits = tk.choose_num_splits(programs, plan.max_context_len, config,
-                                              num_sms(q.device))
-        workspace = None
-        if num_splits > 1:  # shared by all layers of the step: they run one after another
-            workspace = tk.split_workspace(num_tokens, num_heads, head_dim, num_splits, q.device)
-        launch = plan.launches[key] = _Launch(config, num_splits, workspace)
-        return launch
+            launches = [launch(0, plan.num_seqs, plan.max_query_len, plan.max_context_len)]
+        plan.launches[key] = launches
+        return launches
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -111,9 +140,15 @@ class TritonBackend(AttentionBackend):
         if metadata.plan is None or not isinstance(metadata.plan, TritonPlan):
             self.prepare(metadata)
         plan: TritonPlan = metadata.plan
-        launch = self._launch(plan, q, k_cache)
-        return tk.paged_attention(
-            q, k_cache, v_cache, metadata.block_tables, metadata.context_lens,
-            metadata.cu_seqlens_q, scale, num_seqs=plan.num_seqs,
-            max_query_len=plan.max_query_len, config=launch.config,
-            num_splits=launch.num_splits, workspace=launch.workspace)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (num_tokens, heads, dim)
+        for launch in self._launches(plan, q, k_cache):
+            # the kernel finds each sequence's tokens through cu_seqlens_q, which holds positions
+            # in the whole step: a launch over a slice of the sequences writes its rows of `out`
+            seqs = slice(launch.first_seq, launch.first_seq + launch.num_seqs)
+            tk.paged_attention(
+                q, k_cache, v_cache, metadata.block_tables[seqs], metadata.context_lens[seqs],
+                metadata.cu_seqlens_q[launch.first_seq:seqs.stop + 1], scale,
+                num_seqs=launch.num_seqs, max_query_len=launch.max_query_len,
+                config=launch.config, num_splits=launch.num_splits, workspace=launch.workspace,
+                out=out)
+        return out

@@ -175,7 +175,11 @@ def _attend_key_tile(
 
 
 # The two ints vary from step to step: compiling a variant for each value would stall serving.
-@triton.jit(do_not_specialize=["num_q_tiles", "num_splits"])
+# The metadata pointers may point into the middle of a step's tensors (a mixed step attends in two
+# launches over slices of its sequences) and are only read element by element: no variants for
+# their alignment either.
+@triton.jit(do_not_specialize=["num_q_tiles", "num_splits", "block_tables_ptr",
+                               "context_lens_ptr", "cu_seqlens_q_ptr"])
 def paged_attention_kernel(
     out_ptr,  # (num_tokens, num_heads, head_dim): written when not SPLIT
     partial_out_ptr,  # (num_tokens, num_heads, num_splits, head_dim) fp32: when SPLIT
