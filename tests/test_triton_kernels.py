@@ -273,11 +273,13 @@ def test_backend_forward_equals_torch_ref_backend(seqs):
     torch.testing.assert_close(case.v_cache, ref_case.v_cache, rtol=0, atol=0)
 
 
-def test_mixed_step_with_decodes_first_attends_in_two_launches():
+@pytest.mark.parametrize("num_splits", [None, 4])
+def test_mixed_step_with_decodes_first_attends_in_two_launches(num_splits):
     """Decodes at the front of a mixed step get the decode tiles, the prompts the prefill tiles,
-    each launch over its slice of the sequences; a decode after a prompt keeps one launch."""
+    each launch over its slice of the sequences (with split-KV, each merge touches only its own
+    rows); a decode after a prompt keeps one launch."""
     first = Case([(1, 70), (1, 9), (30, 30), (5, 21)], 8, 8, 4, 16, torch.float32, pad_tokens=1)
-    backend = TritonBackend()
+    backend = TritonBackend(num_splits=num_splits)
     backend.prepare(first.metadata)
     out = backend.forward(first.q, first.k, first.v, first.k_cache, first.v_cache,
                           first.metadata, first.scale)
@@ -287,6 +289,7 @@ def test_mixed_step_with_decodes_first_attends_in_two_launches():
     decodes, prompts = next(iter(plan.launches.values()))
     assert (decodes.first_seq, decodes.num_seqs, decodes.max_query_len) == (0, 2, 1)
     assert (prompts.first_seq, prompts.num_seqs, prompts.max_query_len) == (2, 2, 30)
+    assert (decodes.tokens, prompts.tokens) == ((0, 2), (2, 37))
     assert decodes.config == tk.decode_config(16, 2, DEVICE == "cpu")
     after = Case([(30, 30), (1, 9)], 8, 8, 4, 16, torch.float32)
     backend.prepare(after.metadata)

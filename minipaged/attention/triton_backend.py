@@ -41,6 +41,7 @@ class _Launch:
 
     first_seq: int
     num_seqs: int
+    tokens: Optional[tuple[int, int]]  # the rows of q those sequences own; None: all
     max_query_len: int
     config: tk.KernelConfig
     num_splits: int
@@ -59,6 +60,7 @@ class TritonPlan:
     # of 128 query rows of which 2 are real. 0: one launch for the whole step.
     num_decodes: int = 0
     max_decode_context_len: int = 0
+    num_real_tokens: int = 0  # tokens that belong to a sequence (padding rows come after)
     # (num_heads, num_kv_heads, head_dim, dtype) -> launches; filled by the first layer's forward
     launches: dict = field(default_factory=dict)
 
@@ -87,7 +89,8 @@ class TritonBackend(AttentionBackend):
         metadata.plan = TritonPlan(decode_only=decode_only, num_seqs=metadata.num_seqs,
                                    max_query_len=metadata.max_query_len,
                                    max_context_len=metadata.max_context_len,
-                                   num_decodes=num_decodes, max_decode_context_len=max_decode_ctx)
+                                   num_decodes=num_decodes, max_decode_context_len=max_decode_ctx,
+                                   num_real_tokens=sum(metadata.query_lens))
 
     def _launches(self, plan: TritonPlan, q: torch.Tensor, k_cache: torch.Tensor) -> list[_Launch]:
         num_tokens, num_heads, head_dim = q.shape
@@ -99,7 +102,7 @@ class TritonBackend(AttentionBackend):
         group = num_heads // num_kv_heads
         interpret = q.device.type == "cpu"
 
-        def launch(first_seq, num_seqs, max_query_len, max_context_len, workspace=None):
+        def launch(first_seq, num_seqs, max_query_len, max_context_len, tokens=None):
             if max_query_len == 1:
                 config = tk.decode_config(head_dim, group, interpret)
             else:
@@ -110,15 +113,18 @@ class TritonBackend(AttentionBackend):
                 programs = num_seqs * tk.triton.cdiv(max_query_len, block_q) * num_kv_heads
                 num_splits = tk.choose_num_splits(programs, max_context_len, config,
                                                   num_sms(q.device))
-            if num_splits > 1 and workspace is None:  # shared by all layers of the step
+            workspace = None
+            if num_splits > 1:  # shared by all layers of the step: they run one after another
                 workspace = tk.split_workspace(num_tokens, num_heads, head_dim, num_splits,
                                                q.device)
-            return _Launch(first_seq, num_seqs, max_query_len, config, num_splits, workspace)
+            return _Launch(first_seq, num_seqs, tokens, max_query_len, config, num_splits,
+                           workspace)
 
         if plan.num_decodes and plan.num_decodes < plan.num_seqs:  # decodes first, then prefills
-            decodes = launch(0, plan.num_decodes, 1, plan.max_decode_context_len)
-            prefills = launch(plan.num_decodes, plan.num_seqs - plan.num_decodes,
-                              plan.max_query_len, plan.max_context_len)
+            nd = plan.num_decodes  # one token each: the decodes own rows 0 .. nd of q
+            decodes = launch(0, nd, 1, plan.max_decode_context_len, tokens=(0, nd))
+            prefills = launch(nd, plan.num_seqs - nd, plan.max_query_len, plan.max_context_len,
+                              tokens=(nd, plan.num_real_tokens))
             launches = [decodes, prefills]
         else:
             launches = [launch(0, plan.num_seqs, plan.max_query_len, plan.max_context_len)]
@@ -150,5 +156,5 @@ class TritonBackend(AttentionBackend):
                 metadata.cu_seqlens_q[launch.first_seq:seqs.stop + 1], scale,
                 num_seqs=launch.num_seqs, max_query_len=launch.max_query_len,
                 config=launch.config, num_splits=launch.num_splits, workspace=launch.workspace,
-                out=out)
+                out=out, tokens=launch.tokens)
         return out

@@ -274,15 +274,16 @@ def paged_attention_kernel(
 # --------------------------------------------------------------------------------------------
 # 3. merge the split-KV parts: out = sum_s w_s * out_s / sum_s w_s, w_s = exp2(lse_s - max lse)
 # --------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["first_token"])  # varies from step to step (see above)
 def reduce_splits_kernel(
     out_ptr,  # (num_tokens, num_heads, head_dim)
     partial_out_ptr,  # (num_tokens, num_heads, NUM_SPLITS, head_dim) fp32
     partial_lse_ptr,  # (num_tokens, num_heads, NUM_SPLITS) fp32
     stride_o_tok, stride_o_head,
+    first_token,  # program i merges token first_token + i (a launch over some of the sequences)
     NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
+    token = first_token + tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     row = token * tl.num_programs(1) + head
     splits = tl.arange(0, NUM_SPLITS)
@@ -376,11 +377,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     cu_seqlens_q: torch.Tensor, scale: float, *, num_seqs: int,
                     max_query_len: int, config: KernelConfig, num_splits: int = 1,
                     out: Optional[torch.Tensor] = None,
-                    workspace: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                    workspace: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                    tokens: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """Attention of `q` over the paged cache (which already holds this step's K/V).
 
     Host-side ints only (`num_seqs`, `max_query_len`, `num_splits`): no device->host sync, so a
     decode step can be captured in a CUDA graph. Returns (num_tokens, num_heads, head_dim).
+    `tokens` = (first, end): the rows of `q` that these sequences own, when the launch covers only
+    some of the step's sequences (the other rows of `out` are left alone); default all.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -422,8 +426,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
-        reduce_splits_kernel[(num_tokens, num_heads)](
-            out, partial_out, partial_lse, out.stride(0), out.stride(1),
+        first, end = tokens or (0, num_tokens)
+        reduce_splits_kernel[(end - first, num_heads)](
+            out, partial_out, partial_lse, out.stride(0), out.stride(1), first,
             NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
             HEAD_DIM_PAD=triton.next_power_of_2(head_dim), num_warps=1 if interpret else 2,
         )
