@@ -137,7 +137,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, pending=None) -> torch.Tensor:
-        """Queue one step; returns fp32 logits (num_sampling_seqs, vocab) without waiting for them.
+        """Queue one step; returns logits (num_sampling_seqs, vocab) in the model's dtype, without
+        waiting for them.
 
         `pending` (engine.PendingStep): the previous step's sampled tokens, when the host has
         not read them yet (async scheduling)."""

@@ -159,7 +159,7 @@ class Sampler:
         self.generator: Optional[torch.Generator] = None
         self.seed = seed
         self.eos_token_ids = list(eos_token_ids)
-        # The one-pass Triton kernel for plain temperature sampling (sampling_kernels.py).
+        # The Triton kernels for plain temperature sampling (sampling_kernels.py).
         # None: on CUDA only; True on the CPU needs TRITON_INTERPRET=1 (tests).
         self.use_kernel = use_kernel
         self._host_generator = torch.Generator().manual_seed(seed)  # the kernel's per-step seeds
@@ -216,7 +216,7 @@ class Sampler:
         return self._sample(logits, seqs)
 
     def _kernel_applies(self, logits: torch.Tensor, params: list[SamplingParams]) -> bool:
-        """Plain temperature (or greedy) rows without a seed: one pass of the Triton kernel."""
+        """Plain temperature (or greedy) rows without a seed: the Triton kernels' two-stage draw."""
         use = logits.is_cuda if self.use_kernel is None else self.use_kernel
         return use and all(p.greedy or (p.seed is None and p.top_k == 0 and p.top_p == 1.0
                                         and p.min_p == 0.0) for p in params)

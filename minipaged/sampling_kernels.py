@@ -61,6 +61,7 @@ def chunk_stats_kernel(
                 other=float("-inf")).to(tl.float32)
     m = tl.max(x, axis=0)
     first = tl.min(tl.where(x == m, cols, vocab), axis=0)  # the first maximum, as torch.argmax
+    first = tl.minimum(first, vocab - 1)  # NaN logits match nothing: still a valid token id
     m_safe = tl.where(m == float("-inf"), 0.0, m)  # a chunk of banned (-inf) tokens: no NaN
     total = tl.sum(tl.exp2((x - m_safe) * scale), axis=0)  # the largest term is 1
     lse = tl.where(total == 0.0, float("-inf"), m_safe * scale + tl.log2(total))
@@ -97,7 +98,7 @@ def pick_kernel(
         lse = tl.load(lse_ptr + stats, mask=valid, other=float("-inf")) * 0.6931471805599453
         u = tl.rand(seed, tl.num_programs(0) * quads_per_row + stats)
         key = tl.where(valid, lse + _gumbel(u), float("-inf"))
-        chunk = tl.argmax(key, axis=0)
+        chunk = tl.minimum(tl.argmax(key, axis=0), num_chunks - 1)
         # 2. which token of that chunk: Gumbel-max over its logits / T. The tile is CHUNK
         #    consecutive tokens seen as (CHUNK // 4, 4), token 4 * quad + lane: one Philox draw
         #    (tl.rand4x) gives the four uniforms of a quad.
@@ -114,11 +115,11 @@ def pick_kernel(
         key = tl.where(mask, x * inv_t + _gumbel(u), float("-inf"))
         best = tl.max(tl.max(key, axis=1), axis=0)
         token = tl.min(tl.min(tl.where(key == best, cols, vocab), axis=1), axis=0)
-        tl.store(out_ptr + row, token.to(tl.int64))
+        tl.store(out_ptr + row, tl.minimum(token, vocab - 1).to(tl.int64))  # (NaN: see above)
     else:  # greedy: the first chunk holding the row's maximum, and its first argmax
         m = tl.load(max_ptr + stats, mask=valid, other=float("-inf"))
         best = tl.max(m, axis=0)
-        chunk = tl.min(tl.where(valid & (m == best), chunks, CHUNKS_PAD), axis=0)
+        chunk = tl.min(tl.where(valid & (m == best), chunks, num_chunks - 1), axis=0)
         token = tl.load(argmax_ptr + row * num_chunks + chunk)
         tl.store(out_ptr + row, token.to(tl.int64))
 

@@ -418,7 +418,7 @@ def test_sampling_params_edge_values_are_accepted_and_normalized():
     assert not SamplingParams().has_penalties and not SamplingParams().greedy
 
 
-# --- the one-pass Triton kernel (sampling_kernels.py; the CUDA default, here interpreted) -----
+# --- the Triton sampling kernels (sampling_kernels.py; the CUDA default, here interpreted) ----
 @IGNORE_INTERPRETER_WARNINGS
 def test_kernel_temperature_sampling_matches_softmax():
     """The interpreter is slow (a few ms per row), so few draws here; tests/test_gpu.py repeats
@@ -505,3 +505,6 @@ def test_kernel_reads_bf16_logits_and_breaks_ties_like_argmax():
     tied[:, 7] = 0.0
     assert gumbel_sample(tied, torch.zeros(2), seed=1, chunk=1024).tolist() == [1500, 1500]
     assert gumbel_sample(tied, torch.zeros(2), seed=1, chunk=4096).tolist() == [1500, 1500]
+    # NaN logits (a broken model) still give a token id inside the vocabulary
+    nan = torch.full((2, 40), float("nan"))
+    assert all(0 <= t < 40 for t in gumbel_sample(nan, torch.tensor([0.0, 1.0]), seed=1).tolist())

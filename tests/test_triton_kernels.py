@@ -336,3 +336,33 @@ def test_stories260k_greedy_tokens_equal_torch_ref():
         tokens[backend] = [list(o.outputs[0].token_ids) for o in outs]
     assert all(len(t) == 8 for t in tokens["triton"])
     assert tokens["triton"] == tokens["torch_ref"]
+
+
+@pytest.mark.skipif(not _stories260k_available(), reason="minipaged.LLM or stories260K not found")
+def test_engine_with_the_gpu_choices_equals_torch_ref():
+    """What the engine does differently on CUDA, forced on the CPU: the head-major cache, the batch
+    ordered decodes first then longest first, and split-KV in every launch. A small token budget
+    with chunked prefill makes mixed steps (decodes + prompt chunks: two launches). Greedy tokens
+    equal the torch_ref backend's."""
+    from minipaged import LLM, SamplingParams
+    from minipaged.kv_cache import allocate_kv_cache
+
+    prompts = ["Once upon a time", "The little dog ran to the park and saw a big", "Lily",
+               "One day, a girl named Sue went to the store with her mom. They"]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    kwargs = dict(num_blocks=64, block_size=8, max_num_batched_tokens=12,
+                  enable_chunked_prefill=True)
+    ref = LLM("stories260K", attention_backend="torch_ref", **kwargs)
+    want = [list(o.outputs[0].token_ids) for o in ref.generate(prompts, params, use_tqdm=False)]
+    llm = LLM("stories260K", attention_backend="triton", **kwargs)
+    eng = llm.engine
+    eng.kv_cache = eng.model_runner.kv_cache = allocate_kv_cache(
+        eng.model_config, eng.num_blocks, 8, eng.kv_dtype, eng.device, head_major=True)
+    eng.model_runner.longest_first = True
+    eng.backend.num_splits = 4
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    mixed = [r for r in llm.trace
+             if any(e.num_decode_tokens for e in r.scheduled)
+             and any(e.num_prefill_tokens > 1 for e in r.scheduled)]
+    assert mixed, "no step mixed decodes with prompt chunks"

@@ -1,10 +1,11 @@
 """The Triton attention backend: `triton_kernels.py` behind the `AttentionBackend` interface.
 
 Per step, `prepare` looks at the host copies of the step's lengths once (is this a decode-only
-step? how long is the longest context?) and leaves a `TritonPlan` on the metadata. Per layer,
-`forward` stores the new K/V into their slots and calls `attend`, which launches the attention
-kernel (plus the split-KV reduction when the plan splits); a model with `fused_ops` stores K/V in
-its own fused kernel and calls `attend` directly. Launch shapes come from host ints only: neither
+step? how long is the longest context? do decodes lead a mixed step?) and leaves a `TritonPlan`
+on the metadata. Per layer, `forward` stores the new K/V into their slots and calls `attend`,
+which launches the attention kernel (plus the split-KV reduction when the plan splits) once, or
+twice for a mixed step whose decodes come first (decode tiles for those, prefill tiles for the
+prompts); a model with `fused_ops` stores K/V in its own fused kernel and calls `attend` directly. Launch shapes come from host ints only: neither
 reads a device tensor back (no `.item()`, no `.tolist()`), so a decode step can be captured in a
 CUDA graph.
 
@@ -60,6 +61,7 @@ class TritonPlan:
     # of 128 query rows of which 2 are real. 0: one launch for the whole step.
     num_decodes: int = 0
     max_decode_context_len: int = 0
+    max_prefill_context_len: int = 0
     num_real_tokens: int = 0  # tokens that belong to a sequence (padding rows come after)
     # (num_heads, num_kv_heads, head_dim, dtype) -> launches; filled by the first layer's forward
     launches: dict = field(default_factory=dict)
@@ -79,17 +81,19 @@ class TritonBackend(AttentionBackend):
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         decode_only = metadata.max_query_len == 1
-        num_decodes = max_decode_ctx = 0
+        num_decodes = max_decode_ctx = max_prefill_ctx = 0
         if not decode_only:
             lens = metadata.query_lens
             while num_decodes < len(lens) and lens[num_decodes] == 1:
                 num_decodes += 1
             if num_decodes:
                 max_decode_ctx = max(metadata.context_lens_host[:num_decodes])
+                max_prefill_ctx = max(metadata.context_lens_host[num_decodes:], default=0)
         metadata.plan = TritonPlan(decode_only=decode_only, num_seqs=metadata.num_seqs,
                                    max_query_len=metadata.max_query_len,
                                    max_context_len=metadata.max_context_len,
                                    num_decodes=num_decodes, max_decode_context_len=max_decode_ctx,
+                                   max_prefill_context_len=max_prefill_ctx,
                                    num_real_tokens=sum(metadata.query_lens))
 
     def _launches(self, plan: TritonPlan, q: torch.Tensor, k_cache: torch.Tensor) -> list[_Launch]:
@@ -115,16 +119,17 @@ class TritonBackend(AttentionBackend):
                                                   num_sms(q.device))
             workspace = None
             if num_splits > 1:  # shared by all layers of the step: they run one after another
-                workspace = tk.split_workspace(num_tokens, num_heads, head_dim, num_splits,
-                                               q.device)
+                # rows are indexed by the token's place in the whole step: up to the launch's end
+                rows = num_tokens if tokens is None else tokens[1]
+                workspace = tk.split_workspace(rows, num_heads, head_dim, num_splits, q.device)
             return _Launch(first_seq, num_seqs, tokens, max_query_len, config, num_splits,
                            workspace)
 
         if plan.num_decodes and plan.num_decodes < plan.num_seqs:  # decodes first, then prefills
             nd = plan.num_decodes  # one token each: the decodes own rows 0 .. nd of q
             decodes = launch(0, nd, 1, plan.max_decode_context_len, tokens=(0, nd))
-            prefills = launch(nd, plan.num_seqs - nd, plan.max_query_len, plan.max_context_len,
-                              tokens=(nd, plan.num_real_tokens))
+            prefills = launch(nd, plan.num_seqs - nd, plan.max_query_len,
+                              plan.max_prefill_context_len, tokens=(nd, plan.num_real_tokens))
             launches = [decodes, prefills]
         else:
             launches = [launch(0, plan.num_seqs, plan.max_query_len, plan.max_context_len)]

@@ -128,7 +128,7 @@ def _attend_key_tile(
     offs_n = kv_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key positions of this tile
     if MASKED:
         n_mask = offs_n < kv_end
-    if BLOCK_N <= BLOCK_SIZE:  # the tile lies inside one block: one block-table entry
+    if BLOCK_SIZE % BLOCK_N == 0:  # the tile lies inside one block: one block-table entry
         block_ids = tl.load(block_table_row + kv_start // BLOCK_SIZE)
     elif MASKED:
         block_ids = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
