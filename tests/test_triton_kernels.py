@@ -9,6 +9,7 @@ not touch, turns the output into NaN and fails.
 from __future__ import annotations
 
 import math
+from dataclasses import astuple
 
 import pytest
 import torch
@@ -285,17 +286,17 @@ def test_mixed_step_with_decodes_first_attends_in_two_launches(num_splits):
                           first.metadata, first.scale)
     assert_close(out[:first.num_real], first.expected(), torch.float32)
     plan = first.metadata.plan
-    assert (plan.num_decodes, plan.max_decode_context_len) == (2, 70)
     decodes, prompts = next(iter(plan.launches.values()))
-    assert (decodes.first_seq, decodes.num_seqs, decodes.max_query_len) == (0, 2, 1)
-    assert (prompts.first_seq, prompts.num_seqs, prompts.max_query_len) == (2, 2, 30)
-    assert (decodes.tokens, prompts.tokens) == ((0, 2), (2, 37))
+    assert [decodes.part, prompts.part] == plan.parts
+    # (first_seq, num_seqs, tokens, max_query_len, max_context_len)
+    assert astuple(decodes.part) == (0, 2, (0, 2), 1, 70)
+    assert astuple(prompts.part) == (2, 2, (2, 37), 30, 30)
     assert decodes.config == tk.decode_config(16, 2, DEVICE == "cpu")
     after = Case([(30, 30), (1, 9)], 8, 8, 4, 16, torch.float32)
     backend.prepare(after.metadata)
     backend.forward(after.q, after.k, after.v, after.k_cache, after.v_cache, after.metadata,
                     after.scale)
-    assert after.metadata.plan.num_decodes == 0
+    assert [astuple(p) for p in after.metadata.plan.parts] == [(0, 2, None, 30, 30)]
     assert len(next(iter(after.metadata.plan.launches.values()))) == 1
 
 

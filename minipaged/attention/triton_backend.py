@@ -5,8 +5,8 @@ step? how long is the longest context? do decodes lead a mixed step?) and leaves
 on the metadata. Per layer, `forward` stores the new K/V into their slots and calls `attend`,
 which launches the attention kernel (plus the split-KV reduction when the plan splits) once, or
 twice for a mixed step whose decodes come first (decode tiles for those, prefill tiles for the
-prompts); a model with `fused_ops` stores K/V in its own fused kernel and calls `attend` directly. Launch shapes come from host ints only: neither
-reads a device tensor back (no `.item()`, no `.tolist()`), so a decode step can be captured in a
+prompts); a model with `fused_ops` stores K/V in its own fused kernel and calls `attend`
+directly. Launch shapes come from host ints only: neither reads a device tensor back (no `.item()`, no `.tolist()`), so a decode step can be captured in a
 CUDA graph.
 
 On the CPU this runs under the Triton interpreter (TRITON_INTERPRET=1): correct, and slow.
@@ -36,14 +36,21 @@ def num_sms(device: torch.device) -> int:
 
 
 @dataclass
-class _Launch:
-    """One kernel launch over the sequences [first_seq, first_seq + num_seqs) of the step; the
-    same for every layer of the step."""
+class _Part:
+    """Sequences [first_seq, first_seq + num_seqs) of a step, attended to in one launch."""
 
     first_seq: int
     num_seqs: int
-    tokens: Optional[tuple[int, int]]  # the rows of q those sequences own; None: all
+    tokens: Optional[tuple[int, int]]  # the rows of q those sequences own; None: all rows
     max_query_len: int
+    max_context_len: int
+
+
+@dataclass
+class _Launch:
+    """One part's launch; the same for every layer of the step."""
+
+    part: _Part
     config: tk.KernelConfig
     num_splits: int
     workspace: Optional[tuple[torch.Tensor, torch.Tensor]]
@@ -51,18 +58,11 @@ class _Launch:
 
 @dataclass
 class TritonPlan:
-    decode_only: bool  # every sequence has query length 1
-    num_seqs: int
-    max_query_len: int
-    max_context_len: int
-    # A mixed step whose first `num_decodes` sequences have query length 1 (the GPU model runner
-    # puts decodes first) attends in two launches: those sequences with the decode tiles, the
-    # rest with the prefill tiles. One launch with prefill tiles would give each decode a tile
-    # of 128 query rows of which 2 are real. 0: one launch for the whole step.
-    num_decodes: int = 0
-    max_decode_context_len: int = 0
-    max_prefill_context_len: int = 0
-    num_real_tokens: int = 0  # tokens that belong to a sequence (padding rows come after)
+    # Usually one part, the whole step. A mixed step whose first sequences have query length 1
+    # (the GPU model runner puts decodes first) has two: those decodes, attended to with the
+    # decode tiles, and the rest with the prefill tiles. One launch with prefill tiles would give
+    # each decode a tile of 128 query rows of which 2 are real.
+    parts: list[_Part]
     # (num_heads, num_kv_heads, head_dim, dtype) -> launches; filled by the first layer's forward
     launches: dict = field(default_factory=dict)
 
@@ -80,21 +80,15 @@ class TritonBackend(AttentionBackend):
         self.num_splits = num_splits
 
     def prepare(self, metadata: AttentionMetadata) -> None:
-        decode_only = metadata.max_query_len == 1
-        num_decodes = max_decode_ctx = max_prefill_ctx = 0
-        if not decode_only:
-            lens = metadata.query_lens
-            while num_decodes < len(lens) and lens[num_decodes] == 1:
-                num_decodes += 1
-            if num_decodes:
-                max_decode_ctx = max(metadata.context_lens_host[:num_decodes])
-                max_prefill_ctx = max(metadata.context_lens_host[num_decodes:], default=0)
-        metadata.plan = TritonPlan(decode_only=decode_only, num_seqs=metadata.num_seqs,
-                                   max_query_len=metadata.max_query_len,
-                                   max_context_len=metadata.max_context_len,
-                                   num_decodes=num_decodes, max_decode_context_len=max_decode_ctx,
-                                   max_prefill_context_len=max_prefill_ctx,
-                                   num_real_tokens=sum(metadata.query_lens))
+        whole = _Part(0, metadata.num_seqs, None, metadata.max_query_len, metadata.max_context_len)
+        parts = [whole]
+        if metadata.max_query_len > 1 and metadata.query_lens[0] == 1:  # decodes lead a mixed step
+            lens, ctx = metadata.query_lens, metadata.context_lens_host
+            nd = next(i for i, n in enumerate(lens) if n != 1)  # one token each: rows 0 .. nd
+            parts = [_Part(0, nd, (0, nd), 1, max(ctx[:nd])),
+                     _Part(nd, len(lens) - nd, (nd, sum(lens)), metadata.max_query_len,
+                           max(ctx[nd:]))]
+        metadata.plan = TritonPlan(parts)
 
     def _launches(self, plan: TritonPlan, q: torch.Tensor, k_cache: torch.Tensor) -> list[_Launch]:
         num_tokens, num_heads, head_dim = q.shape
@@ -105,35 +99,24 @@ class TritonBackend(AttentionBackend):
             return launches
         group = num_heads // num_kv_heads
         interpret = q.device.type == "cpu"
-
-        def launch(first_seq, num_seqs, max_query_len, max_context_len, tokens=None):
-            if max_query_len == 1:
+        launches = plan.launches[key] = []
+        for part in plan.parts:
+            if part.max_query_len == 1:
                 config = tk.decode_config(head_dim, group, interpret)
             else:
-                config = tk.prefill_config(head_dim, group, max_query_len, interpret)
+                config = tk.prefill_config(head_dim, group, part.max_query_len, interpret)
             num_splits = self.num_splits
             if num_splits is None:
                 block_q = config.block_m // tk.triton.next_power_of_2(group)
-                programs = num_seqs * tk.triton.cdiv(max_query_len, block_q) * num_kv_heads
-                num_splits = tk.choose_num_splits(programs, max_context_len, config,
+                programs = part.num_seqs * tk.triton.cdiv(part.max_query_len, block_q) * num_kv_heads
+                num_splits = tk.choose_num_splits(programs, part.max_context_len, config,
                                                   num_sms(q.device))
             workspace = None
             if num_splits > 1:  # shared by all layers of the step: they run one after another
-                # rows are indexed by the token's place in the whole step: up to the launch's end
-                rows = num_tokens if tokens is None else tokens[1]
+                # rows are indexed by the token's place in the whole step: up to the part's end
+                rows = num_tokens if part.tokens is None else part.tokens[1]
                 workspace = tk.split_workspace(rows, num_heads, head_dim, num_splits, q.device)
-            return _Launch(first_seq, num_seqs, tokens, max_query_len, config, num_splits,
-                           workspace)
-
-        if plan.num_decodes and plan.num_decodes < plan.num_seqs:  # decodes first, then prefills
-            nd = plan.num_decodes  # one token each: the decodes own rows 0 .. nd of q
-            decodes = launch(0, nd, 1, plan.max_decode_context_len, tokens=(0, nd))
-            prefills = launch(nd, plan.num_seqs - nd, plan.max_query_len,
-                              plan.max_prefill_context_len, tokens=(nd, plan.num_real_tokens))
-            launches = [decodes, prefills]
-        else:
-            launches = [launch(0, plan.num_seqs, plan.max_query_len, plan.max_context_len)]
-        plan.launches[key] = launches
+            launches.append(_Launch(part, config, num_splits, workspace))
         return launches
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -155,11 +138,12 @@ class TritonBackend(AttentionBackend):
         for launch in self._launches(plan, q, k_cache):
             # the kernel finds each sequence's tokens through cu_seqlens_q, which holds positions
             # in the whole step: a launch over a slice of the sequences writes its rows of `out`
-            seqs = slice(launch.first_seq, launch.first_seq + launch.num_seqs)
+            part = launch.part
+            seqs = slice(part.first_seq, part.first_seq + part.num_seqs)
             tk.paged_attention(
                 q, k_cache, v_cache, metadata.block_tables[seqs], metadata.context_lens[seqs],
-                metadata.cu_seqlens_q[launch.first_seq:seqs.stop + 1], scale,
-                num_seqs=launch.num_seqs, max_query_len=launch.max_query_len,
+                metadata.cu_seqlens_q[part.first_seq:seqs.stop + 1], scale,
+                num_seqs=part.num_seqs, max_query_len=part.max_query_len,
                 config=launch.config, num_splits=launch.num_splits, workspace=launch.workspace,
-                out=out, tokens=launch.tokens)
+                out=out, tokens=part.tokens)
         return out
