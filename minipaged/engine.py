@@ -30,7 +30,8 @@ from minipaged.block_manager import BlockManager
 from minipaged.config import EngineConfig
 from minipaged.kv_cache import (allocate_cpu_cache, allocate_kv_cache, block_bytes,
                                 determine_num_blocks, determine_num_cpu_blocks,
-                                kv_cache_torch_dtype, swap_in_blocks, swap_out_blocks)
+                                kv_cache_torch_dtype, swap_in_blocks, swap_out_blocks,
+                                to_device)
 from minipaged.model_runner import ModelRunner
 from minipaged.models.config import ModelConfig, parse_dtype
 from minipaged.models.loader import load_model, load_tokenizer, resolve_model
@@ -415,7 +416,7 @@ class LLMEngine:
                 rows += [row] * len(children)
                 seqs += children
         if rows != list(range(logits.shape[0])):
-            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+            logits = logits[to_device(rows, logits.device, torch.long)]
         return logits, seqs, ready
 
     def _drop_beam_logits(self, preempted: list[Sequence]) -> None:

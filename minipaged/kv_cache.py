@@ -183,7 +183,7 @@ def swap_out_blocks(kv_cache: torch.Tensor, cpu_cache: torch.Tensor,
     if not mapping:
         return
     mapping = sorted(mapping, key=lambda m: m[1])
-    idx = torch.tensor([g for g, _ in mapping], device=kv_cache.device)
+    idx = to_device([g for g, _ in mapping], kv_cache.device, torch.long)
     staged = raw(kv_cache)[:, :, idx].movedim(2, 0).contiguous()  # (n, layers, 2, block, heads, dim)
     for i, c, r in _runs([c for _, c in mapping]):
         raw(cpu_cache)[c:c + r].copy_(staged[i:i + r], non_blocking=True)
@@ -199,5 +199,5 @@ def swap_in_blocks(cpu_cache: torch.Tensor, kv_cache: torch.Tensor,
                          device=kv_cache.device)
     for i, c, r in _runs([c for c, _ in mapping]):
         staged[i:i + r].copy_(raw(cpu_cache)[c:c + r], non_blocking=True)
-    idx = torch.tensor([g for _, g in mapping], device=kv_cache.device)
+    idx = to_device([g for _, g in mapping], kv_cache.device, torch.long)
     raw(kv_cache)[:, :, idx] = staged.movedim(0, 2)

@@ -118,12 +118,12 @@ def apply_penalties(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
         if not p.has_penalties:
             continue
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
+            seen = to_device(sorted(set(seq.token_ids)), logits.device, torch.long)
             vals = logits[row, seen]
             logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
                                             vals * p.repetition_penalty)
         if seq.output_token_ids and (p.frequency_penalty or p.presence_penalty):
-            out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
+            out = to_device(seq.output_token_ids, logits.device, torch.long)
             counts = torch.bincount(out, minlength=vocab).to(logits.dtype)
             logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
