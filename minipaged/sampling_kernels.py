@@ -39,14 +39,12 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-
 
 @triton.jit
 def chunk_stats_kernel(
     logits_ptr,  # (rows, vocab), last dim contiguous; any float dtype, read as fp32
     inv_temperature_ptr,  # (rows,) fp32: 1 / T, or 0 for greedy rows
-    lse_ptr,  # (rows, num_chunks) fp32: log2 of sum over the chunk of 2^(logit / T * log2 e)
+    lse_ptr,  # (rows, num_chunks) fp32: log of the sum over the chunk of exp(logit / T)
     max_ptr,  # (rows, num_chunks) fp32: the chunk's largest logit ...
     argmax_ptr,  # (rows, num_chunks) int32: ... and the first token holding it
     stride_row, vocab,
@@ -55,7 +53,7 @@ def chunk_stats_kernel(
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     inv_t = tl.load(inv_temperature_ptr + row)
-    scale = tl.where(inv_t > 0, inv_t, 1.0) * 1.4426950408889634  # to log2 units
+    scale = tl.where(inv_t > 0, inv_t, 1.0)  # greedy rows use only the max and argmax
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab,
                 other=float("-inf")).to(tl.float32)
@@ -63,8 +61,8 @@ def chunk_stats_kernel(
     first = tl.min(tl.where(x == m, cols, vocab), axis=0)  # the first maximum, as torch.argmax
     first = tl.minimum(first, vocab - 1)  # NaN logits match nothing: still a valid token id
     m_safe = tl.where(m == float("-inf"), 0.0, m)  # a chunk of banned (-inf) tokens: no NaN
-    total = tl.sum(tl.exp2((x - m_safe) * scale), axis=0)  # the largest term is 1
-    lse = tl.where(total == 0.0, float("-inf"), m_safe * scale + tl.log2(total))
+    total = tl.sum(tl.exp((x - m_safe) * scale), axis=0)  # the largest term is 1
+    lse = tl.where(total == 0.0, float("-inf"), m_safe * scale + tl.log(total))
     num_chunks = tl.num_programs(1)
     tl.store(lse_ptr + row * num_chunks + chunk, lse)
     tl.store(max_ptr + row * num_chunks + chunk, m)
@@ -92,10 +90,10 @@ def pick_kernel(
     stats = row * num_chunks + chunks
     valid = chunks < num_chunks
     if inv_t > 0:
-        # 1. which chunk: Gumbel-max over the chunks' log-sum-exps (natural log units). Their
-        #    uniforms sit past every token's counter: rows * quads_per_row + row * num_chunks + c
+        # 1. which chunk: Gumbel-max over the chunks' log-sum-exps. Their uniforms sit past
+        #    every token's counter: rows * quads_per_row + row * num_chunks + c
         quads_per_row = tl.cdiv(vocab, 4)
-        lse = tl.load(lse_ptr + stats, mask=valid, other=float("-inf")) * 0.6931471805599453
+        lse = tl.load(lse_ptr + stats, mask=valid, other=float("-inf"))
         u = tl.rand(seed, tl.num_programs(0) * quads_per_row + stats)
         key = tl.where(valid, lse + _gumbel(u), float("-inf"))
         chunk = tl.minimum(tl.argmax(key, axis=0), num_chunks - 1)
