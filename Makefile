@@ -11,6 +11,7 @@ figures:
 	$(PY) -m minipaged.figures --out figures
 	$(PY) benchmarks/plot_attention.py
 	$(PY) benchmarks/plot_throughput_gpu.py
+	$(PY) benchmarks/plot_decode_breakdown.py
 	$(PY) benchmarks/sharing.py
 	$(PY) benchmarks/preemption.py --micro --repeats 5
 

@@ -532,6 +532,47 @@ def plot_throughput(results, baseline: Optional[str] = None, ax=None, title: Opt
     return fig
 
 
+# --- lesson 08: where a GPU decode step goes ---------------------------------------------------
+DECODE_PARTS = [("attention", "tab:blue"), ("matmul", "tab:orange"),
+                ("norm/rope/silu", "tab:green"), ("sampler", "tab:purple"), ("other", "tab:gray")]
+
+
+def plot_decode_breakdown(data: Mapping):
+    """Two panels from `benchmarks/decode_breakdown.py`'s JSON: ms per decode step stacked by
+    kernel family plus GPU idle time, at each measured point of the run; and attention's achieved
+    read rate against a plain streaming read on the same GPU."""
+    rows = data["rows"]
+    labels = [f"step {r['decode_step']}\n{r['running']} seqs" for r in rows]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
+    bottom = [0.0] * len(rows)
+    for name, color in DECODE_PARTS:
+        vals = [r["ms"][name] for r in rows]
+        ax.bar(labels, vals, bottom=bottom, color=color, label=name)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.bar(labels, [r["idle_ms"] for r in rows], bottom=bottom, color="white", edgecolor="black",
+           hatch="//", label="GPU idle (launch gaps, host)")
+    for i, r in enumerate(rows):
+        ax.text(i, r["wall_ms"] * 1.01, f"{r['wall_ms']:.1f} ms", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("ms per decode step (CUDA graphs on)")
+    ax.set_title(f"Where a decode step goes: {data['model'].replace('dummy:', '')}, "
+                 f"nano-vllm workload, {data['gpu']}", fontsize=9)
+    ax.legend(fontsize=7, loc="upper right")
+    ax.tick_params(axis="x", labelsize=7)
+    ceiling = data["read_ceiling"]["triton_read_tbs"]
+    ax2.plot([r["running"] for r in rows], [r["attention_tbs"] for r in rows], "o-",
+             label="attention (K+V of every context)")
+    ax2.axhline(ceiling, color="k", ls="--", label=f"plain streaming read {ceiling:.2f}")
+    ax2.axhline(4.8, color="gray", ls=":", label="datasheet 4.8")
+    ax2.set_xlabel("running sequences")
+    ax2.set_ylabel("TB/s")
+    ax2.set_ylim(0, 5.2)
+    ax2.invert_xaxis()
+    ax2.set_title("attention's read rate as the batch shrinks", fontsize=9)
+    ax2.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    return fig
+
+
 # --- lesson 00: how big the KV cache is -------------------------------------------------------
 def plot_kv_cache_size(models: Mapping[str, int], max_tokens: int = 131072,
                        budget_gib: Optional[float] = None, ax=None, title: Optional[str] = None):
