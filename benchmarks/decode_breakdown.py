@@ -82,19 +82,17 @@ def read_ceiling(device) -> dict:
     x = torch.randn(2 ** 30, device=device, dtype=torch.bfloat16)  # 2 GiB
     sms = torch.cuda.get_device_properties(device).multi_processor_count
 
-    def rate(fn):
-        ms = triton.testing.do_bench(fn, warmup=50, rep=200)
-        return x.numel() * 2 / ms / 1e9
+    def rate(fn, nbytes):
+        return nbytes / triton.testing.do_bench(fn, warmup=50, rep=200) / 1e9  # bytes/ms -> TB/s
 
     best = 0.0
     for block, per_sm, warps in [(4096, 8, 4), (8192, 4, 4), (8192, 4, 8), (8192, 16, 8)]:
         nprog = sms * per_sm
-        n_per = x.numel() // nprog // block * block
+        n_per = x.numel() // nprog // block * block  # elements per program (a whole number of blocks)
         out = torch.empty(nprog * block, device=device, dtype=torch.float32)
         best = max(best, rate(lambda: _read_kernel[(nprog,)](x, out, n_per, BLOCK=block,
-                                                             num_warps=warps))
-                   * n_per * nprog / x.numel())
-    torch_sum = rate(lambda: x.sum(dtype=torch.float32))
+                                                             num_warps=warps), n_per * nprog * 2))
+    torch_sum = rate(lambda: x.sum(dtype=torch.float32), x.numel() * 2)
     del x
     torch.cuda.empty_cache()
     return {"triton_read_tbs": best, "torch_sum_tbs": torch_sum}
@@ -123,9 +121,7 @@ def main() -> None:
         eng.add_request(str(i), p, SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True))
     while eng.scheduler.waiting or any(s.is_prefill for s in eng.scheduler.running):
         eng.step()
-    # bytes the attention kernels read per context token: K and V of every KV head, every layer
-    kv_bytes_per_token = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
-                          * torch.tensor([], dtype=eng.kv_dtype).element_size())
+    kv_bytes_per_token = cfg.kv_bytes_per_token(eng.kv_dtype)  # what attention reads per context token
     rows, done = [], 0
     for target in (5, 300, 600, 800, 900, 980):
         while done < target and eng.has_unfinished_requests():
