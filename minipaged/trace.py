@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from minipaged.block_manager import BlockUsage
 
 
-@dataclass(slots=True)
-class ScheduledEntry:
+class ScheduledEntry(NamedTuple):
+    """One sequence's share of a step. A tuple of plain values: Python's garbage collector stops
+    tracking such tuples, so a trace of a long run (a 256-sequence batch adds 256 of these per
+    step) costs the engine's collections nothing (see `engine.freeze_gc_heap`)."""
+
     request_id: str
     seq_id: int
     num_prefill_tokens: int  # prompt / chunk / recompute tokens computed this step

@@ -271,3 +271,26 @@ def test_longest_first_batch_order_changes_no_token():
         llm.engine.model_runner.longest_first = longest_first
         res.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
     assert res[0] == res[1]
+
+
+def test_dropped_engine_is_freed_by_reference_counting():
+    """On CUDA the engine freezes the heap (`engine.freeze_gc_heap`): objects alive then are never
+    walked by the cycle collector again. That is only safe if a dropped engine needs no cycle
+    collection to go away: no reference cycle may run through it."""
+    import gc
+    import weakref
+
+    from minipaged.engine import freeze_gc_heap
+
+    llm = LLM("stories260K", block_size=8, num_blocks=64)
+    llm.generate(["Once upon a time", "Tom had"], SamplingParams(max_tokens=8), use_tqdm=False)
+    refs = [weakref.ref(o) for o in (llm.engine, llm.engine.model, llm.engine.scheduler,
+                                     llm.engine.block_manager, llm.engine.model_runner)]
+    gc.disable()
+    try:
+        freeze_gc_heap()  # collects what set-up left behind, then freezes, as the CUDA engine does
+        del llm
+        assert [r() is None for r in refs] == [True] * len(refs)
+    finally:
+        gc.unfreeze()
+        gc.enable()

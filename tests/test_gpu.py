@@ -155,3 +155,30 @@ def test_stories260k_fp8_cache_on_gpu():
                        use_tqdm=False)[0]
     ids = out.prompt_token_ids + out.outputs[0].token_ids
     assert ids == STORIES_EXPECTED[:len(ids)]
+
+
+def test_cuda_engine_freezes_the_heap_and_is_still_freed_when_dropped():
+    """A CUDA engine freezes the heap at the end of its set-up (`engine.freeze_gc_heap`, so no
+    full garbage collection walks torch and the model mid-run); a dropped engine, CUDA graphs
+    and all, must then go away by reference counting, with its GPU memory."""
+    import gc
+    import weakref
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    frozen = gc.get_freeze_count()
+    llm = LLM("stories260K", device="cuda", block_size=16, max_num_seqs=16,
+              gpu_memory_utilization=0.05)
+    assert llm.engine.model_runner.graph_runner is not None
+    assert gc.get_freeze_count() > frozen
+    llm.generate(["Once upon a time"] * 3, SamplingParams(max_tokens=20, ignore_eos=True),
+                 use_tqdm=False)
+    refs = [weakref.ref(o) for o in (llm.engine, llm.engine.model, llm.engine.model_runner,
+                                     llm.engine.model_runner.graph_runner)]
+    kv = weakref.ref(llm.engine.kv_cache)
+    gc.collect()  # what generate left behind; frozen objects are not collected
+    try:
+        del llm
+        assert [r() is None for r in refs + [kv]] == [True] * (len(refs) + 1)
+    finally:
+        gc.unfreeze()
