@@ -12,6 +12,8 @@ import sys
 import time
 from typing import Optional
 
+from minipaged.config import KV_CACHE_DTYPES
+
 DEMO_OPENINGS = [
     "Once upon a time", "One day, a little girl named Lily", "Tom had a big red ball",
     "The sun was shining and", "There was a small dog who", "Sara wanted to play with",
@@ -41,7 +43,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="read every step's tokens before planning the next (default on CUDA: "
                         "plan step t+1 while the GPU runs step t)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="auto: the model's dtype; fp8: float8 e4m3, half the bytes per token")
     p.add_argument("--no-fused-ops", action="store_true",
                    help="plain torch ops between the matrix multiplies (default on CUDA: the "

@@ -6,8 +6,8 @@ on the metadata. Per layer, `forward` stores the new K/V into their slots and ca
 which launches the attention kernel (plus the split-KV reduction when the plan splits) once, or
 twice for a mixed step whose decodes come first (decode tiles for those, prefill tiles for the
 prompts); a model with `fused_ops` stores K/V in its own fused kernel and calls `attend`
-directly. Launch shapes come from host ints only: neither reads a device tensor back (no `.item()`, no `.tolist()`), so a decode step can be captured in a
-CUDA graph.
+directly. Launch shapes come from host ints only: neither reads a device tensor back (no
+`.item()`, no `.tolist()`), so a decode step can be captured in a CUDA graph.
 
 On the CPU this runs under the Triton interpreter (TRITON_INTERPRET=1): correct, and slow.
 """

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minipaged.kv_cache import to_cache_dtype
+from minipaged.kv_cache import is_fp8, to_cache_dtype
 
 
 # --------------------------------------------------------------------------------------------
@@ -408,7 +408,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         partial_out = partial_lse = out  # unused
     interpret = q.device.type == "cpu"
-    fp8_cache = k_cache.dtype == torch.float8_e4m3fn  # widened to q's bf16/fp16 in the kernel
+    fp8_cache = is_fp8(k_cache.dtype)  # widened to q's bf16/fp16 in the kernel
     fp32_dot = (interpret or k_cache.dtype == torch.float32 or q.dtype == torch.float32
                 or (q.dtype != k_cache.dtype and not fp8_cache))
     grid = (num_seqs * num_q_tiles, num_kv_heads, num_splits)

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from minipaged.attention.triton_kernels import _check_last_dim_contiguous, _last_dim_contiguous
+from minipaged.kv_cache import FP8_MAX, is_fp8
 
 
 def _num_warps(elements: int) -> int:
@@ -186,7 +187,8 @@ def qkv_rope_store_kernel(
     eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, HAS_QK_NORM: tl.constexpr, FP8_CACHE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HAS_QK_NORM: tl.constexpr,
+    FP8_CACHE: tl.constexpr, FP8_MAX: tl.constexpr,  # a float8 cache clamps to +-FP8_MAX
 ):
     token = tl.program_id(0)  # one program per token: all its q, k and v heads
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -226,8 +228,8 @@ def qkv_rope_store_kernel(
     v1 = tl.load(v_src, mask=kv_mask).to(tl.float32)
     v2 = tl.load(v_src + HALF, mask=kv_mask).to(tl.float32)
     if FP8_CACHE:  # float8 e4m3 (kv_cache_dtype="fp8"): clamp, or out-of-range values become NaN
-        k1, k2 = tl.clamp(k1, -448.0, 448.0), tl.clamp(k2, -448.0, 448.0)
-        v1, v2 = tl.clamp(v1, -448.0, 448.0), tl.clamp(v2, -448.0, 448.0)
+        k1, k2 = tl.clamp(k1, -FP8_MAX, FP8_MAX), tl.clamp(k2, -FP8_MAX, FP8_MAX)
+        v1, v2 = tl.clamp(v1, -FP8_MAX, FP8_MAX), tl.clamp(v2, -FP8_MAX, FP8_MAX)
     tl.store(k_cache_ptr + dst, k1.to(cache_dtype), mask=kv_mask)
     tl.store(k_cache_ptr + dst + HALF, k2.to(cache_dtype), mask=kv_mask)
     tl.store(v_cache_ptr + dst, v1.to(cache_dtype), mask=kv_mask)
@@ -269,7 +271,7 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
         HEADS_PAD=triton.next_power_of_2(num_heads),
         KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HALF_PAD=half_pad,
         BLOCK_SIZE=k_cache.shape[1], HAS_QK_NORM=has_qk_norm,
-        FP8_CACHE=k_cache.dtype == torch.float8_e4m3fn,
+        FP8_CACHE=is_fp8(k_cache.dtype), FP8_MAX=FP8_MAX,
         num_warps=_num_warps((num_heads + 2 * num_kv_heads) * half_pad),
     )
     return q
