@@ -3,12 +3,12 @@ PY ?= .venv/bin/python
 
 .PHONY: figures lessons
 
-# Regenerate every PNG in figures/: the lessons' experiments (python -m minipaged.figures, about
+# Regenerate every PNG in figures/: the lessons' experiments (python -m minipaged.lessons.figures, about
 # a minute on 2 CPU cores), the attention-bandwidth and throughput charts from the stored H200
 # benchmark JSON, and the sharing / preemption benchmarks of lesson 06 (a few minutes; they
 # rewrite their JSON in benchmarks/results/ too).
 figures:
-	$(PY) -m minipaged.figures --out figures
+	$(PY) -m minipaged.lessons.figures --out figures
 	$(PY) benchmarks/plot_attention.py
 	$(PY) benchmarks/plot_throughput_gpu.py
 	$(PY) benchmarks/plot_decode_breakdown.py

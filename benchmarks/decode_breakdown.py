@@ -34,7 +34,7 @@ import triton.language as tl
 from torch.profiler import ProfilerActivity, profile
 
 from minipaged import LLM, SamplingParams
-from minipaged.bench import make_workload
+from minipaged.lessons.bench import make_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -2,7 +2,7 @@
 
     python benchmarks/plot_decode_breakdown.py
 
-The picture is `minipaged.viz.plot_decode_breakdown` (lesson 08 draws the same): ms per decode
+The picture is `minipaged.lessons.viz.plot_decode_breakdown` (lesson 08 draws the same): ms per decode
 step stacked by kernel family and GPU idle time at each measured point of the run, and attention's
 achieved read rate against a plain streaming read on the same GPU.
 """
@@ -13,7 +13,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-from minipaged import viz  # noqa: E402
+from minipaged.lessons import viz  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from minipaged.sharing import (PREEMPTION_MODES, format_preemption,  # noqa: E402
+from minipaged.lessons.sharing import (PREEMPTION_MODES, format_preemption,  # noqa: E402
                                format_swap_copies, plot_preemption, preemption_experiment,
                                preemption_workload, swap_copy_microbenchmark)
 
@@ -84,7 +84,7 @@ def main(argv=None):
                                          device=args.device)
         print(f"\nswap-out copy of {args.micro_tokens} tokens of {args.model}'s K/V:")
         print(format_swap_copies(micro))
-    from minipaged.bench import environment
+    from minipaged.lessons.bench import environment
     tag = f"{args.device}_{args.model.replace(':', '_').replace('/', '_').lower()}"
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"preemption_{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ import time
 import torch
 
 from minipaged import LLM, SamplingParams
-from minipaged.bench import make_workload
+from minipaged.lessons.bench import make_workload
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default="dummy:qwen3-0.6b")

@@ -11,7 +11,7 @@ Without --base-url the script starts `minipaged serve MODEL` itself on a free po
 flags go in --server-args "...") and stops it at the end. Prompts are token ids (the completions
 endpoint's `prompt` as a list of ints), so models without a tokenizer (dummy presets) work; every
 request sets `ignore_eos`, so it produces exactly its `max_tokens`. The workloads are minipaged
-bench's (`minipaged/bench.py`): `cpu` = 64 requests, prompt lengths U[4, 64], outputs U[16, 256];
+bench's (`minipaged/lessons/bench.py`): `cpu` = 64 requests, prompt lengths U[4, 64], outputs U[16, 256];
 `nanovllm` = 256 requests, prompts U[100, 1024], outputs U[100, 1024].
 
 For each concurrency level C the same requests are sent by C workers, each sending its next
@@ -43,7 +43,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minipaged.bench import WORKLOADS, make_workload  # noqa: E402
+from minipaged.lessons.bench import WORKLOADS, make_workload  # noqa: E402
 from minipaged.server.metrics import parse_metrics  # noqa: E402
 
 

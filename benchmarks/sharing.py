@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from minipaged.sharing import (Savings, format_savings, plot_savings,  # noqa: E402
+from minipaged.lessons.sharing import (Savings, format_savings, plot_savings,  # noqa: E402
                                sharing_experiment)
 
 def main(argv=None) -> list[Savings]:

@@ -3,11 +3,11 @@
 Read it top-down: llm.py -> engine.py -> scheduler.py -> block_manager.py -> model_runner.py ->
 models/llama.py -> attention/ -> sampling.py. The lessons in notebooks/ walk through each file.
 """
-from minipaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from minipaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from minipaged.config import EngineConfig
-from minipaged.engine import LLMEngine, RequestError
+from minipaged.engine.llm_engine import LLMEngine, RequestError
 from minipaged.llm import LLM
-from minipaged.outputs import CompletionOutput, RequestOutput
+from minipaged.engine.output import CompletionOutput, RequestOutput
 from minipaged.sampling import SamplingParams
 
 __version__ = "0.1.0"

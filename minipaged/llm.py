@@ -20,10 +20,10 @@ from typing import Optional, Sequence as Seq
 
 from tqdm.auto import tqdm
 
-from minipaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_score
+from minipaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_score
 from minipaged.config import EngineConfig
-from minipaged.engine import LLMEngine, RequestError
-from minipaged.outputs import RequestOutput
+from minipaged.engine.llm_engine import LLMEngine, RequestError
+from minipaged.engine.output import RequestOutput
 from minipaged.sampling import SamplingParams
 
 PromptType = str | list[int] | dict

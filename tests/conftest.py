@@ -12,5 +12,5 @@ if not torch.cuda.is_available():
 
 # The test models are tiny (stories260K is 64 wide): a second CPU thread buys little, and when
 # other processes share the cores, OpenMP threads waiting for each other slow every layer down
-# many times over (see minipaged.figures.cpu_threads).
+# many times over (see minipaged.lessons.figures.cpu_threads).
 torch.set_num_threads(1)

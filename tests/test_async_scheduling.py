@@ -12,7 +12,7 @@ import pytest
 
 from minipaged import LLM, SamplingParams
 from minipaged.models.loader import resolve_model
-from minipaged.sequence import PLACEHOLDER
+from minipaged.engine.sequence import PLACEHOLDER
 
 
 def _run(async_scheduling, prompts, params, **kw):

@@ -1,4 +1,4 @@
-"""Beam search (`LLM.beam_search`, `minipaged/beam_search.py`): token-exact with Hugging Face
+"""Beam search (`LLM.beam_search`, `minipaged/engine/beam_search.py`): token-exact with Hugging Face
 `generate(num_beams=k, do_sample=False, length_penalty=..., early_stopping=...)`, and the block
 bookkeeping of beams (fork every step, free dropped beams, copy-on-write, no leaks).
 
@@ -32,7 +32,7 @@ def period_eos_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_model(period_eos_dir):
-    from minipaged.baseline import load_hf_model
+    from minipaged.lessons.baseline import load_hf_model
     return load_hf_model(str(period_eos_dir))
 
 

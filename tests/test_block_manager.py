@@ -1,4 +1,4 @@
-"""Tests for `minipaged/block_manager.py`: property tests over random operation sequences, then
+"""Tests for `minipaged/engine/block_manager.py`: property tests over random operation sequences, then
 unit tests for the prefix cache, LRU eviction and the `usage()` accounting.
 
 The state machine drives `BlockManager` the way the scheduler and engine do (admit with
@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, event, settings, strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule, run_state_machine_as_test)
 
-import minipaged.block_manager as bm_module
-from minipaged.block_manager import BlockManager
+import minipaged.engine.block_manager as bm_module
+from minipaged.engine.block_manager import BlockManager
 from minipaged.sampling import SamplingParams
-from minipaged.sequence import Sequence
+from minipaged.engine.sequence import Sequence
 
 # Prompts built from a few bases that share prefixes, cut anywhere, plus a short random tail
 # from a tiny vocabulary: many requests share whole blocks, many diverge inside a block.

@@ -232,8 +232,8 @@ def test_incremental_detokenization_matches_full_decoding(llm):
     several byte-fallback tokens (stories260K: ids 3..258 are the bytes <0x00>..<0xFF>)."""
     import random
 
-    from minipaged.engine import detokenize, detokenize_incrementally
-    from minipaged.sequence import Sequence
+    from minipaged.engine.llm_engine import detokenize, detokenize_incrementally
+    from minipaged.engine.sequence import Sequence
     tok = llm.get_tokenizer()
     byte_tokens = {ch: [3 + b for b in ch.encode()] for ch in "é→日🙂"}
     assert tok.decode(byte_tokens["é"]) == "é"
@@ -280,7 +280,7 @@ def test_dropped_engine_is_freed_by_reference_counting():
     import gc
     import weakref
 
-    from minipaged.engine import freeze_gc_heap
+    from minipaged.engine.llm_engine import freeze_gc_heap
 
     llm = LLM("stories260K", block_size=8, num_blocks=64)
     llm.generate(["Once upon a time", "Tom had"], SamplingParams(max_tokens=8), use_tqdm=False)

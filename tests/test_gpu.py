@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minipaged import LLM, SamplingParams
-from minipaged.baseline import load_hf_model
+from minipaged.lessons.baseline import load_hf_model
 from minipaged.models.loader import resolve_builtin
 from tests.helpers import make_tiny_hf_model
 
@@ -74,7 +74,7 @@ def test_preemption_on_gpu_fp32(tmp_path):
 
 def test_sampling_kernel_matches_softmax_on_gpu():
     from minipaged.sampling import Sampler
-    from minipaged.sequence import Sequence
+    from minipaged.engine.sequence import Sequence
     logits = torch.tensor([1.0, 0.2, -0.5, 0.8, -1.5, 0.0], device="cuda")
     n = 60_000
     seq = Sequence("r", [1], SamplingParams(temperature=0.7))

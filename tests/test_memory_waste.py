@@ -1,7 +1,7 @@
-"""The accounting behind lesson 01's Fig. 2 reproduction (minipaged/memory_waste.py)."""
+"""The accounting behind lesson 01's Fig. 2 reproduction (minipaged/lessons/memory_waste.py)."""
 import pytest
 
-from minipaged.memory_waste import (CATEGORIES, ContiguousAllocator, Request, compare_strategies,
+from minipaged.lessons.memory_waste import (CATEGORIES, ContiguousAllocator, Request, compare_strategies,
                                     make_trace, next_pow2, paged_step_usages, reservation,
                                     simulate_contiguous, simulate_paged, waste_from_trace)
 
@@ -111,7 +111,7 @@ def test_fig2_shape_on_sharegpt():
 def test_driver_reproduces_the_engine_step_for_step():
     """The paged numbers are the engine's: the same usage after every step, preemptions included."""
     from minipaged import LLM, SamplingParams
-    from minipaged.bench import make_workload
+    from minipaged.lessons.bench import make_workload
     wl = make_workload("alpaca", 512, 10, seed=1, bos=1, max_model_len=128)
     wl.max_tokens = [min(m, 40) for m in wl.max_tokens]
     llm = LLM("stories260K", num_blocks=16, block_size=8, max_model_len=128,

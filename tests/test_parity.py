@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minipaged import LLM, SamplingParams
-from minipaged.baseline import load_hf_model
+from minipaged.lessons.baseline import load_hf_model
 from minipaged.models.loader import resolve_builtin
 from tests.helpers import STORIES_EXPECTED, hf_greedy, make_tiny_hf_model
 

@@ -15,9 +15,9 @@ import torch
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from minipaged import LLM, BeamSearchParams, EngineConfig, SamplingParams
-from minipaged.block_manager import BlockManager
-from minipaged.kv_cache import allocate_cpu_cache, copy_blocks, swap_in_blocks, swap_out_blocks
-from minipaged.sequence import Sequence, SequenceGroup
+from minipaged.engine.block_manager import BlockManager
+from minipaged.worker.kv_cache import allocate_cpu_cache, copy_blocks, swap_in_blocks, swap_out_blocks
+from minipaged.engine.sequence import Sequence, SequenceGroup
 
 
 @pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])

@@ -1,4 +1,4 @@
-"""Tests for `minipaged/sampling.py`: every stage of the sampler against a direct reference.
+"""Tests for `minipaged/sampling/sampler.py`: every stage of the sampler against a direct reference.
 
 References are written the slow, obvious way (sort one row in float64, loop over tokens), so
 they share no code with the batched implementation they check.
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minipaged.sampling import Sampler, SamplingParams, apply_penalties, apply_top_k_top_p_min_p
-from minipaged.sequence import Sequence
+from minipaged.engine.sequence import Sequence
 from tests.helpers import IGNORE_INTERPRETER_WARNINGS
 
 EOS = 2
@@ -466,7 +466,7 @@ def test_kernel_two_stage_draw_matches_softmax_across_chunks():
     """The kernel draws a chunk by its log-sum-exp, then a token inside it: together exactly the
     softmax. Eight live tokens spread over four chunks of 16 (the rest banned, -inf)."""
     pytest.importorskip("triton")
-    from minipaged.sampling_kernels import gumbel_sample
+    from minipaged.sampling.kernels import gumbel_sample
     live = torch.tensor([3, 10, 17, 30, 33, 40, 50, 63])
     values = torch.tensor([0.5, -0.3, 1.2, 0.0, -1.0, 0.8, 0.3, -0.6])
     logits = torch.full((64,), float("-inf"))
@@ -493,7 +493,7 @@ def test_kernel_reads_bf16_logits_and_breaks_ties_like_argmax():
     so it draws exactly what it draws from their fp32 copy. A greedy row whose maximum appears
     twice (possible in bf16) takes the first, as torch.argmax does."""
     pytest.importorskip("triton")
-    from minipaged.sampling_kernels import gumbel_sample
+    from minipaged.sampling.kernels import gumbel_sample
     gen = torch.Generator().manual_seed(12)
     logits = distinct_logits(gen, 4, 3000, scale=0.5).to(torch.bfloat16)
     inv_t = torch.tensor([0.0, 1.0, 2.0, 0.5])

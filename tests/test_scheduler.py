@@ -1,4 +1,4 @@
-"""Tests for `minipaged/scheduler.py` with a real `BlockManager` and real `Sequence`s, no model.
+"""Tests for `minipaged/engine/scheduler.py` with a real `BlockManager` and real `Sequence`s, no model.
 
 A step is simulated the way `LLMEngine._process` does it: decide which scheduled sequences
 sample (before anything moves), then `num_computed_tokens += num_new_tokens` and
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from minipaged.block_manager import BlockManager
+from minipaged.engine.block_manager import BlockManager
 from minipaged.sampling import SamplingParams
-from minipaged.scheduler import Scheduler, SchedulerOutput
-from minipaged.sequence import Sequence, SequenceStatus
+from minipaged.engine.scheduler import Scheduler, SchedulerOutput
+from minipaged.engine.sequence import Sequence, SequenceStatus
 
 
 def make_seq(prompt, name="r", max_tokens=16) -> Sequence:

@@ -17,7 +17,7 @@ import openai
 import pytest
 import uvicorn
 
-from minipaged.server.cli import build_app_from_args, load_chat_template, main, parse_args
+from minipaged.cli.serve import build_app_from_args, load_chat_template, main, parse_args
 from minipaged.server.metrics import parse_metrics
 from minipaged.server.reasoning import get_reasoning_parser
 

@@ -9,8 +9,8 @@ request-level reporting, aborts, and the trace's sharing and prefix-cache number
 import pytest
 
 from minipaged import LLM, RequestError, SamplingParams
-from minipaged.sequence import SequenceStatus
-from minipaged.trace import tokens_in_cache
+from minipaged.engine.sequence import SequenceStatus
+from minipaged.engine.trace import tokens_in_cache
 
 PROMPT = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376]  # 10 tokens: 2 full blocks of 4 + 2
 
@@ -75,7 +75,9 @@ def test_greedy_samples_equal_greedy(llm):
     outs = llm.generate("Once upon a time", SamplingParams(n=3, **sp), use_tqdm=False)[0].outputs
     for c in outs:
         assert c.token_ids == single.token_ids and c.text == single.text
-        assert c.cumulative_logprob == pytest.approx(single.cumulative_logprob, rel=1e-6)
+        # the n = 3 step runs 3 logits rows through one matmul, the single request 1: the same
+        # math in another blocking, so the float32 sums agree to rounding, not bit for bit
+        assert c.cumulative_logprob == pytest.approx(single.cumulative_logprob, rel=1e-5)
 
 
 def test_request_reported_once_when_all_samples_finished(llm):
@@ -147,7 +149,7 @@ def test_prompt_reserves_a_seat_per_sample():
 
 
 def test_trace_names_samples_and_draws_their_tables():
-    from minipaged import viz
+    from minipaged.lessons import viz
     llm = LLM("stories260K", block_size=4, num_blocks=64, max_model_len=128,
               record_block_tables=True)
     llm.generate([PROMPT], SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=3,

@@ -346,7 +346,7 @@ def test_engine_with_the_gpu_choices_equals_torch_ref():
     with chunked prefill makes mixed steps (decodes + prompt chunks: two launches). Greedy tokens
     equal the torch_ref backend's."""
     from minipaged import LLM, SamplingParams
-    from minipaged.kv_cache import allocate_kv_cache
+    from minipaged.worker.kv_cache import allocate_kv_cache
 
     prompts = ["Once upon a time", "The little dog ran to the park and saw a big", "Lily",
                "One day, a girl named Sue went to the store with her mom. They"]

@@ -1,4 +1,4 @@
-"""The accounting behind the lessons' pictures (minipaged/viz.py; replay helpers in trace.py)."""
+"""The accounting behind the lessons' pictures (minipaged/lessons/viz.py; replay helpers in trace.py)."""
 import matplotlib
 
 matplotlib.use("Agg")
@@ -6,11 +6,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from minipaged import viz  # noqa: E402
-from minipaged.block_manager import BlockManager  # noqa: E402
+from minipaged.lessons import viz  # noqa: E402
+from minipaged.engine.block_manager import BlockManager  # noqa: E402
 from minipaged.sampling import SamplingParams  # noqa: E402
-from minipaged.sequence import Sequence  # noqa: E402
-from minipaged.trace import (RequestState as S, ScheduledEntry, StepRecord,  # noqa: E402
+from minipaged.engine.sequence import Sequence  # noqa: E402
+from minipaged.engine.trace import (RequestState as S, ScheduledEntry, StepRecord,  # noqa: E402
                              request_timeline, tokens_in_cache)
 
 W, P, D, X, R, I, A, PAD = S.WAITING, S.PREFILL, S.DECODE, S.PREEMPTED, S.REQUEUED, S.STALLED, \
@@ -93,7 +93,7 @@ def test_block_table_view_counts_shared_blocks_once():
 @pytest.fixture(scope="module")
 def engine_trace():
     from minipaged import LLM
-    from minipaged.bench import make_workload
+    from minipaged.lessons.bench import make_workload
     wl = make_workload("cpu", 512, 8, seed=0, bos=1, max_model_len=128)
     wl.max_tokens = [m // 8 for m in wl.max_tokens]
     llm = LLM("stories260K", num_blocks=20, block_size=8, max_model_len=128,
@@ -120,7 +120,7 @@ def test_trace_views_agree_with_the_engine(engine_trace):
 
 
 def test_plots_draw(engine_trace):
-    from minipaged.memory_waste import compare_strategies, make_trace
+    from minipaged.lessons.memory_waste import compare_strategies, make_trace
     wl, trace = engine_trace
     figs = [viz.plot_block_tables(trace, 5), viz.plot_batch_gantt(trace),
             viz.plot_kv_utilization(trace),
@@ -155,7 +155,7 @@ def test_widgets_build_headless(engine_trace):
     _, trace = engine_trace
     w = viz.trace_explorer(trace, start=3)
     assert w is not None and w.children
-    from minipaged.memory_waste import make_trace
+    from minipaged.lessons.memory_waste import make_trace
     w = viz.block_size_explorer(make_trace("alpaca", 10, max_model_len=256), 512,
                                 block_sizes=(8, 16), start=16, max_model_len=256)
     assert w is not None

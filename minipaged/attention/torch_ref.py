@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from minipaged.attention.metadata import AttentionBackend, AttentionMetadata
-from minipaged.kv_cache import raw, to_cache_dtype
+from minipaged.worker.kv_cache import raw, to_cache_dtype
 
 
 @dataclass

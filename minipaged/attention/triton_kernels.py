@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minipaged.kv_cache import is_fp8, to_cache_dtype
+from minipaged.worker.kv_cache import is_fp8, to_cache_dtype
 
 
 # --------------------------------------------------------------------------------------------

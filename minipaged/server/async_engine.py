@@ -38,8 +38,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from minipaged.engine import LLMEngine, RequestError, detokenize
-from minipaged.outputs import RequestOutput
+from minipaged.engine.llm_engine import LLMEngine, RequestError, detokenize
+from minipaged.engine.output import RequestOutput
 from minipaged.sampling import SamplingParams
 from minipaged.server.metrics import Metrics
 

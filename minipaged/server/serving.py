@@ -26,8 +26,8 @@ from typing import AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from minipaged.engine import RequestError
-from minipaged.outputs import RequestOutput
+from minipaged.engine.llm_engine import RequestError
+from minipaged.engine.output import RequestOutput
 from minipaged.sampling import SamplingParams
 from minipaged.server.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream, TextPrompt
 from minipaged.server.protocol import (

@@ -21,9 +21,9 @@ import torch
 
 from minipaged.attention import AttentionBackend, AttentionMetadata
 from minipaged.attention.metadata import BLOCK_TABLE_WIDTH_MULTIPLE
-from minipaged.block_manager import BlockManager
-from minipaged.kv_cache import copy_blocks, to_device
-from minipaged.scheduler import SchedulerOutput
+from minipaged.engine.block_manager import BlockManager
+from minipaged.worker.kv_cache import copy_blocks, to_device
+from minipaged.engine.scheduler import SchedulerOutput
 
 
 class ModelRunner:
@@ -41,7 +41,7 @@ class ModelRunner:
         # lessons print the CPU's batches in scheduler order).
         self.longest_first = device.type == "cuda"
         if device.type == "cuda" and not enforce_eager and backend.name == "triton":
-            from minipaged.cuda_graphs import CUDAGraphRunner
+            from minipaged.worker.cuda_graphs import CUDAGraphRunner
             self.graph_runner = CUDAGraphRunner(model, kv_cache, backend, max_num_seqs=max_num_seqs,
                                                 max_model_len=max_model_len,
                                                 block_size=self.block_size, device=device)

@@ -29,7 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from minipaged.sequence import Sequence
+from minipaged.engine.sequence import Sequence
 
 
 @dataclass

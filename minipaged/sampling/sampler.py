@@ -19,8 +19,8 @@ from typing import Optional, Sequence as Seq
 
 import torch
 
-from minipaged.kv_cache import to_device
-from minipaged.sequence import Sequence
+from minipaged.worker.kv_cache import to_device
+from minipaged.engine.sequence import Sequence
 
 _GREEDY_EPS = 1e-5
 
@@ -208,7 +208,7 @@ class Sampler:
         if all(p.greedy for p in params):
             return logits.argmax(dim=-1)
         if kernel:  # banned tokens (-inf) never win there either
-            from minipaged.sampling_kernels import gumbel_sample
+            from minipaged.sampling.kernels import gumbel_sample
             inv_t = to_device([0.0 if p.greedy else 1.0 / p.temperature for p in params],
                               logits.device, torch.float32)
             seed = int(torch.randint(2**31 - 1, (1,), generator=self._host_generator))

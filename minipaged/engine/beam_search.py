@@ -59,7 +59,7 @@ import torch
 from minipaged.sampling import Logprob
 
 if TYPE_CHECKING:  # pragma: no cover
-    from minipaged.sequence import Sequence
+    from minipaged.engine.sequence import Sequence
 
 
 @dataclass

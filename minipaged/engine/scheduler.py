@@ -30,8 +30,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from minipaged.block_manager import BlockManager
-from minipaged.sequence import Sequence, SequenceStatus
+from minipaged.engine.block_manager import BlockManager
+from minipaged.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Optional
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from minipaged.beam_search import BeamSearchState
+    from minipaged.engine.beam_search import BeamSearchState
     from minipaged.sampling import Logprob, SamplingParams
 
 

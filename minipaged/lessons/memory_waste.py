@@ -75,7 +75,7 @@ class Request:
 
 
 def requests_from(workload) -> list[Request]:
-    """`Request`s from a `minipaged.bench.Workload` or an iterable of (prompt_len, output_len)."""
+    """`Request`s from a `minipaged.lessons.bench.Workload` or an iterable of (prompt_len, output_len)."""
     if hasattr(workload, "prompts"):
         return [Request(len(p), m) for p, m in zip(workload.prompts, workload.max_tokens)]
     return [r if isinstance(r, Request) else Request(int(r[0]), int(r[1])) for r in workload]
@@ -308,13 +308,13 @@ def paged_step_usages(workload, num_blocks: int, block_size: int, *, max_model_l
     `ignore_eos` and fixed output lengths the engine's schedule does not depend on the sampled
     tokens, so this is the engine's memory state step for step (a test checks it).
 
-    `workload`: a `minipaged.bench.Workload` (its prompt ids are used) or (prompt_len,
+    `workload`: a `minipaged.lessons.bench.Workload` (its prompt ids are used) or (prompt_len,
     output_len) pairs (prompt ids are then distinct per request, so no prefix is shared).
     """
-    from minipaged.block_manager import BlockManager
+    from minipaged.engine.block_manager import BlockManager
     from minipaged.sampling import SamplingParams
-    from minipaged.scheduler import Scheduler
-    from minipaged.sequence import Sequence, SequenceStatus
+    from minipaged.engine.scheduler import Scheduler
+    from minipaged.engine.sequence import Sequence, SequenceStatus
 
     if hasattr(workload, "prompts"):
         prompts = [list(p) for p in workload.prompts]
@@ -397,8 +397,8 @@ def waste_from_trace(trace, label: str = "minipaged engine") -> WasteResult:
 def make_trace(name: str = "sharegpt", num_requests: int = 200, seed: int = 0,
                max_model_len: int = 2048) -> list[Request]:
     """Lengths drawn like the paper's datasets (exponential, with ShareGPT's or Alpaca's means),
-    through `minipaged.bench.make_workload`, clipped so prompt + output <= max_model_len."""
-    from minipaged.bench import make_workload
+    through `minipaged.lessons.bench.make_workload`, clipped so prompt + output <= max_model_len."""
+    from minipaged.lessons.bench import make_workload
     wl = make_workload(name, vocab_size=32000, num_requests=num_requests, seed=seed,
                        max_model_len=max_model_len)
     return requests_from(wl)

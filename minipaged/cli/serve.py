@@ -129,7 +129,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def build_app_from_args(a: argparse.Namespace):
     """Load the model, build the engine, the async engine, the metrics and the app."""
     from minipaged.config import EngineConfig
-    from minipaged.engine import LLMEngine
+    from minipaged.engine.llm_engine import LLMEngine
     from minipaged.server.api_server import build_app
     from minipaged.server.async_engine import AsyncLLMEngine
     from minipaged.server.metrics import Metrics

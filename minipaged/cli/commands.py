@@ -75,7 +75,7 @@ def cmd_demo(a) -> int:
     import torch
 
     from minipaged import LLM, SamplingParams
-    from minipaged.baseline import hf_sequential, load_hf_model
+    from minipaged.lessons.baseline import hf_sequential, load_hf_model
 
     prompts = DEMO_OPENINGS[:a.num_requests]
     print(f"minipaged demo: {len(prompts)} stories260K requests, greedy, up to {a.max_tokens} "
@@ -115,11 +115,11 @@ def cmd_demo(a) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
-        from minipaged.bench import main as bench_main
+        from minipaged.lessons.bench import main as bench_main
         bench_main(argv[1:])
         return 0
     if argv and argv[0] == "serve":
-        from minipaged.server.cli import main as serve_main
+        from minipaged.cli.serve import main as serve_main
         return serve_main(argv[1:])
     ap = argparse.ArgumentParser(prog="minipaged", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -26,21 +26,21 @@ from typing import Iterable, Optional
 import torch
 
 from minipaged.attention import get_attention_backend
-from minipaged.beam_search import BeamSearchParams, BeamSearchState
-from minipaged.block_manager import BlockManager
+from minipaged.engine.beam_search import BeamSearchParams, BeamSearchState
+from minipaged.engine.block_manager import BlockManager
 from minipaged.config import EngineConfig
-from minipaged.kv_cache import (allocate_cpu_cache, allocate_kv_cache, block_bytes,
+from minipaged.worker.kv_cache import (allocate_cpu_cache, allocate_kv_cache, block_bytes,
                                 determine_num_blocks, determine_num_cpu_blocks,
                                 kv_cache_torch_dtype, swap_in_blocks, swap_out_blocks,
                                 to_device)
-from minipaged.model_runner import ModelRunner
+from minipaged.worker.model_runner import ModelRunner
 from minipaged.models.config import ModelConfig, parse_dtype
 from minipaged.models.loader import load_model, load_tokenizer, resolve_model
-from minipaged.outputs import CompletionOutput, RequestOutput
+from minipaged.engine.output import CompletionOutput, RequestOutput
 from minipaged.sampling import SamplerOutput, SamplingParams, Sampler
-from minipaged.scheduler import Scheduler, SchedulerOutput
-from minipaged.sequence import PLACEHOLDER, Sequence, SequenceGroup, SequenceStatus
-from minipaged.trace import ScheduledEntry, StepRecord
+from minipaged.engine.scheduler import Scheduler, SchedulerOutput
+from minipaged.engine.sequence import PLACEHOLDER, Sequence, SequenceGroup, SequenceStatus
+from minipaged.engine.trace import ScheduledEntry, StepRecord
 
 
 class RequestError(ValueError):

@@ -181,7 +181,7 @@ def bandwidth(llm, wl: Workload, elapsed: float, trace) -> dict:
 
 
 def run_hf(backend: str, model, wl: Workload, batch_size: int, subsampled: bool) -> BenchResult:
-    from minipaged import baseline
+    from minipaged.lessons import baseline
     fn = {"hf-sequential": lambda: baseline.hf_sequential(model, wl.prompts, wl.max_tokens),
           "hf-static": lambda: baseline.hf_static(model, wl.prompts, wl.max_tokens, batch_size),
           "hf-cb": lambda: baseline.hf_continuous(model, wl.prompts, wl.max_tokens)}[backend]
@@ -274,7 +274,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         report()
     hf_backends = [b for b in backends if b.startswith("hf")]
     if hf_backends:
-        from minipaged.baseline import load_hf_model
+        from minipaged.lessons.baseline import load_hf_model
         if llm.engine.source.path is None:
             hf_model = _hf_from_dummy(llm)
         else:

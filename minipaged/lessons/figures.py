@@ -1,12 +1,12 @@
 """Regenerate every PNG in `figures/` from the experiments the lessons run.
 
-    python -m minipaged.figures                 # all of them, into ./figures
-    python -m minipaged.figures --only memory_waste,gantt_static_vs_continuous
+    python -m minipaged.lessons.figures                 # all of them, into ./figures
+    python -m minipaged.lessons.figures --only memory_waste,gantt_static_vs_continuous
     make figures
 
 Each `fig_*` function runs one small, seeded experiment on the real engine (stories260K on CPU)
-or on the real `BlockManager` / `Scheduler` (`minipaged.memory_waste`), and draws it with
-`minipaged.viz`. The lessons call the same experiment functions (`fig2_results`,
+or on the real `BlockManager` / `Scheduler` (`minipaged.lessons.memory_waste`), and draws it with
+`minipaged.lessons.viz`. The lessons call the same experiment functions (`fig2_results`,
 `lesson_workload`, ...), so a number in a lesson, in the README and in a PNG is the same number.
 Throughput is the only measurement that changes from run to run (and machine to machine).
 """
@@ -47,7 +47,7 @@ def cpu_threads(n: int = 1) -> None:
 def fig2_results(dataset: str = "sharegpt", num_requests: Optional[int] = None,
                  block_sizes: tuple = (8, 16, 32, 128)):
     """Every memory strategy on the same trace and cache (lesson 01, `memory_waste.png`)."""
-    from minipaged.memory_waste import compare_strategies, make_trace
+    from minipaged.lessons.memory_waste import compare_strategies, make_trace
     reqs = make_trace(dataset, num_requests or FIG2_NUM_REQUESTS[dataset], seed=FIG2_SEED,
                       max_model_len=FIG2_MAX_MODEL_LEN)
     return tuple(compare_strategies(reqs, FIG2_CAPACITY, block_sizes=block_sizes,
@@ -56,8 +56,8 @@ def fig2_results(dataset: str = "sharegpt", num_requests: Optional[int] = None,
 
 @functools.lru_cache(maxsize=None)
 def block_size_rows(dataset: str = "alpaca", num_requests: int = 300):
-    from minipaged import viz
-    from minipaged.memory_waste import make_trace
+    from minipaged.lessons import viz
+    from minipaged.lessons.memory_waste import make_trace
     reqs = make_trace(dataset, num_requests, seed=FIG2_SEED, max_model_len=FIG2_MAX_MODEL_LEN)
     return viz.block_size_tradeoff(reqs, FIG2_CAPACITY // 4, max_model_len=FIG2_MAX_MODEL_LEN)
 
@@ -66,7 +66,7 @@ def lesson_workload(num_requests: int = 12, seed: int = 0, output_scale: int = 4
                     max_model_len: int = 256):
     """A small CPU workload (prompts U[4, 64], outputs U[16, 256] / `output_scale`), real token
     ids from stories260K's vocabulary starting with BOS, EOS ignored."""
-    from minipaged.bench import make_workload
+    from minipaged.lessons.bench import make_workload
     wl = make_workload("cpu", 512, num_requests, seed=seed, bos=1, max_model_len=max_model_len)
     wl.max_tokens = [max(2, m // output_scale) for m in wl.max_tokens]
     return wl
@@ -108,8 +108,8 @@ def shared_prefix_run():
 def throughput_results(num_requests: int = 32, hf_batch_size: int = 8):
     """minipaged vs the three HF baselines on one small workload (lesson 03)."""
     from minipaged import LLM
-    from minipaged.baseline import load_hf_model
-    from minipaged.bench import run_hf, run_minipaged
+    from minipaged.lessons.baseline import load_hf_model
+    from minipaged.lessons.bench import run_hf, run_minipaged
     wl = lesson_workload(num_requests, output_scale=2)
     llm = LLM("stories260K", max_model_len=256)
     results = [run_minipaged(llm, wl)]
@@ -121,7 +121,7 @@ def throughput_results(num_requests: int = 32, hf_batch_size: int = 8):
 
 # --- the figures ------------------------------------------------------------------------------
 def fig_kv_cache_size():
-    from minipaged import viz
+    from minipaged.lessons import viz
     from minipaged.models.config import ModelConfig
     import torch
     q = ModelConfig.from_dict(QWEN25_7B).kv_bytes_per_token(torch.bfloat16)
@@ -133,7 +133,7 @@ def fig_kv_cache_size():
 
 def fig_memory_waste():
     import matplotlib.pyplot as plt
-    from minipaged import viz
+    from minipaged.lessons import viz
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     for ax, ds in zip(axes, ("sharegpt", "alpaca")):
         viz.plot_memory_waste(fig2_results(ds), ax=ax, paper=(ds == "sharegpt"),
@@ -147,7 +147,7 @@ def fig_memory_waste():
 
 def fig_memory_waste_over_time():
     import matplotlib.pyplot as plt
-    from minipaged import viz
+    from minipaged.lessons import viz
     res = {r.label: r for r in fig2_results("sharegpt")}
     fig, axes = plt.subplots(2, 1, figsize=(9, 5), sharex=True)
     viz.plot_waste_over_time(res["Orca (Oracle)"], ax=axes[0])
@@ -159,14 +159,14 @@ def fig_memory_waste_over_time():
 
 
 def fig_block_size_tradeoff():
-    from minipaged import viz
+    from minipaged.lessons import viz
     return viz.plot_block_size_tradeoff(block_size_rows("alpaca"),
                                         title="Block size on Alpaca-like lengths: waste vs "
                                               "table entries")
 
 
 def fig_block_table():
-    from minipaged import viz
+    from minipaged.lessons import viz
     llm, first = shared_prefix_run()
     trace = llm.trace
     pos = first + 4
@@ -176,10 +176,10 @@ def fig_block_table():
 
 
 def fig_copy_on_write():
-    from minipaged import viz
-    from minipaged.block_manager import BlockManager
+    from minipaged.lessons import viz
+    from minipaged.engine.block_manager import BlockManager
     from minipaged.sampling import SamplingParams
-    from minipaged.sequence import Sequence
+    from minipaged.engine.sequence import Sequence
     bm = BlockManager(num_blocks=16, block_size=4)
     parent = Sequence("parent", list(range(10, 20)), SamplingParams())
     bm.allocate(parent, [], parent.num_tokens)
@@ -193,7 +193,7 @@ def fig_copy_on_write():
 
 
 def fig_gantt_static_vs_continuous():
-    from minipaged import viz
+    from minipaged.lessons import viz
     wl = lesson_workload()
     llm = run_traced(wl, max_model_len=256)
     return viz.plot_static_vs_continuous(llm.trace, [len(p) for p in wl.prompts], wl.max_tokens,
@@ -202,7 +202,7 @@ def fig_gantt_static_vs_continuous():
 
 def fig_gantt_preemption():
     import matplotlib.pyplot as plt
-    from minipaged import viz
+    from minipaged.lessons import viz
     llm = preemption_run()
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True,
                                  gridspec_kw={"height_ratios": [3, 2]})
@@ -215,7 +215,7 @@ def fig_gantt_preemption():
 
 
 def fig_kv_utilization():
-    from minipaged import viz
+    from minipaged.lessons import viz
     wl = lesson_workload(24)
     llm = run_traced(wl, max_model_len=256, num_blocks=64, block_size=8, max_num_seqs=8)
     return viz.plot_kv_utilization(llm.trace, title="max_num_seqs=8, 64 blocks of 8: the queue "
@@ -223,7 +223,7 @@ def fig_kv_utilization():
 
 
 def fig_throughput():
-    from minipaged import viz
+    from minipaged.lessons import viz
     results, wl = throughput_results()
     return viz.plot_throughput(results, baseline="hf-static",
                                title=f"stories260K on CPU, {len(wl.prompts)} requests, "
@@ -251,7 +251,8 @@ def next_token_logits(llm, prompt: str):
 
 
 def fig_sampling():
-    from minipaged import LLM, viz
+    from minipaged import LLM
+    from minipaged.lessons import viz
     llm = LLM("stories260K", max_model_len=256)
     tok = llm.get_tokenizer()
     logits = next_token_logits(llm, SAMPLING_PROMPT)
@@ -280,7 +281,7 @@ def main(argv=None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    ap = argparse.ArgumentParser(prog="python -m minipaged.figures", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m minipaged.lessons.figures", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="figures", help="folder for the PNGs (default: figures)")
     ap.add_argument("--only", default=None, help=f"comma-separated subset of {list(FIGURES)}")

@@ -61,7 +61,7 @@ def sharing_savings(trace) -> dict:
 
 
 def alpaca_workload(num_requests: int, seed: int = 0, max_model_len: int = 512):
-    from minipaged.bench import make_workload
+    from minipaged.lessons.bench import make_workload
     return make_workload("alpaca", vocab_size=512, num_requests=num_requests, seed=seed, bos=1,
                          max_model_len=max_model_len)
 
@@ -147,7 +147,7 @@ PREEMPTION_MODES = ("none", "recompute", "recompute+prefix", "swap")
 
 
 def preemption_workload(num_requests: int = 64, seed: int = 0, vocab_size: int = 512):
-    from minipaged.bench import make_workload
+    from minipaged.lessons.bench import make_workload
     return make_workload("cpu", vocab_size=vocab_size, num_requests=num_requests, seed=seed, bos=1)
 
 
@@ -211,7 +211,7 @@ def swap_copy_microbenchmark(block_sizes: Sequence[int] = (8, 16, 32, 64), total
     on CUDA)."""
     import torch
 
-    from minipaged.kv_cache import allocate_cpu_cache, swap_out_blocks
+    from minipaged.worker.kv_cache import allocate_cpu_cache, swap_out_blocks
     dev = torch.device(device)
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     rows = []

@@ -9,7 +9,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Sequence
 
-from minipaged.block_manager import BlockUsage
+from minipaged.engine.block_manager import BlockUsage
 
 
 class ScheduledEntry(NamedTuple):

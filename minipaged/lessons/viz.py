@@ -1,11 +1,11 @@
 """Pictures for the lessons: block tables, memory waste, batch Gantt charts, utilisation, speed.
 
 Every function draws from real engine objects: a live `BlockManager`, an engine trace
-(`llm.trace`, a list of `StepRecord`), the results of `minipaged.memory_waste`, or measured
-throughput. Nothing here re-implements the engine; `python -m minipaged.figures` calls the same
+(`llm.trace`, a list of `StepRecord`), the results of `minipaged.lessons.memory_waste`, or measured
+throughput. Nothing here re-implements the engine; `python -m minipaged.lessons.figures` calls the same
 functions to regenerate `figures/*.png`.
 
-    from minipaged import viz
+    from minipaged.lessons import viz
     viz.plot_block_tables(llm.engine.block_manager)      # logical -> physical, right now
     viz.plot_block_tables(llm.trace, step=12)            # ... as recorded at step 12
     viz.plot_batch_gantt(llm.trace)                      # who ran in which step, and how
@@ -27,7 +27,7 @@ import matplotlib.ticker  # noqa: E402
 from matplotlib.colors import ListedColormap  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
-from minipaged.trace import RequestState, StepRecord, request_timeline, tokens_in_cache, \
+from minipaged.engine.trace import RequestState, StepRecord, request_timeline, tokens_in_cache, \
     trace_request_ids  # noqa: E402
 
 # --- colours ----------------------------------------------------------------------------------
@@ -251,7 +251,7 @@ def plot_memory_waste(results, ax=None, include_free: bool = False, paper: bool 
     `results`: `memory_waste.WasteResult`s. Shares are of the taken memory (token states +
     reserved + fragmentation) unless `include_free`. The paper's token-state share is marked ◆.
     """
-    from minipaged.memory_waste import CATEGORIES, CATEGORY_LABELS, PAPER_TOKEN_STATE_SHARE
+    from minipaged.lessons.memory_waste import CATEGORIES, CATEGORY_LABELS, PAPER_TOKEN_STATE_SHARE
     fig, ax, own = _figure(ax, (8, 0.5 * len(results) + 1.6))
     cats = CATEGORIES if include_free else CATEGORIES[:-1]
     labels = [r.label for r in results]
@@ -288,7 +288,7 @@ def plot_memory_waste(results, ax=None, include_free: bool = False, paper: bool 
 
 def plot_waste_over_time(result, ax=None, title: Optional[str] = None):
     """Stacked area of the five categories, step by step, for one strategy."""
-    from minipaged.memory_waste import CATEGORIES, CATEGORY_LABELS
+    from minipaged.lessons.memory_waste import CATEGORIES, CATEGORY_LABELS
     fig, ax, own = _figure(ax, (7, 2.8))
     # step i's state holds from i to i + 1: draw steps, not lines between them
     xs = [s.step for s in result.steps] + [len(result.steps)]
@@ -316,7 +316,7 @@ def block_size_tradeoff(requests, capacity: int, block_sizes: Sequence[int] = (1
                                                                               64, 128, 256),
                         **kw) -> list[dict]:
     """Token-state share and block-table size of the real BlockManager, per block size."""
-    from minipaged.memory_waste import simulate_paged
+    from minipaged.lessons.memory_waste import simulate_paged
     rows = []
     for bs in block_sizes:
         r = simulate_paged(requests, capacity // bs, bs, **kw)
@@ -356,7 +356,7 @@ def plot_block_size_tradeoff(rows: Sequence[dict], ax=None, title: Optional[str]
 # --- batch composition (lesson 03) ------------------------------------------------------------
 def static_batching_timeline(prompt_lens: Sequence[int], output_lens: Sequence[int],
                              batch_size: int) -> list[list[RequestState]]:
-    """The schedule of `minipaged.baseline.hf_static`: one column per forward pass.
+    """The schedule of `minipaged.lessons.baseline.hf_static`: one column per forward pass.
 
     Batch after batch in arrival order; each batch does one prefill forward (prompts left-padded
     to the longest) and then decodes until its *longest* request is done, so rows that finished
@@ -718,7 +718,7 @@ def block_size_explorer(requests, capacity: int, block_sizes: Sequence[int] = (1
                         start: int = 16, **kw):
     """A block-size slider: the paged token-state share of a fixed workload, recomputed with the
     real `BlockManager` for each block size (results are cached per block size)."""
-    from minipaged.memory_waste import simulate_paged
+    from minipaged.lessons.memory_waste import simulate_paged
     cache: dict[int, object] = {}
 
     def draw(block_size: int):

@@ -1,0 +1,11 @@
+"""What the notebooks import: experiments, plots and baselines around the engine.
+
+    viz.py            block tables, Gantt charts, KV use, throughput and sampling plots; widgets
+    figures.py        the lessons' experiments and `python -m minipaged.lessons.figures`
+    memory_waste.py   lesson 01's allocator simulations (the vLLM paper's Fig. 2)
+    sharing.py        lesson 06's sharing and preemption experiments
+    baseline.py       the naive Hugging Face baselines (sequential, static, continuous batching)
+    bench.py          workloads and the side-by-side throughput runs (`minipaged bench`)
+
+None of it is on the engine's path: the engine never imports this package.
+"""
