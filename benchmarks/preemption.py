@@ -16,7 +16,7 @@ cache_tokens / block_size, the same memory at every block size):
 
 It prints end-to-end time (best of --repeats; wall and process CPU time, the machine is shared),
 steps, preemptions, tokens recomputed and bytes swapped, checks that every mode produced the
-same greedy tokens, and with --micro times the copy itself: `kv_cache.swap_out_blocks` (one
+same greedy tokens, and with --micro times the copy itself: `worker/swap.py`'s `swap_out_blocks` (one
 gather, a few large copies) against vLLM v0's one copy per block and layer, for the same bytes.
 """
 from __future__ import annotations

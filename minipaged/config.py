@@ -3,50 +3,81 @@
 vLLM's names, vLLM's defaults where they make sense on a laptop, and errors that teach: each one
 says what is wrong, the numbers involved, and which knob to turn (lesson 00 triggers them on
 purpose).
+
+This dataclass is the one declaration of the engine's knobs: `LLM(**kwargs)` takes its fields,
+and `minipaged generate | bench | serve` build their engine flags from it (`cli/args.py`), so a
+field added here is a keyword and a flag everywhere. Each field's `help` is its flag's help.
+
+`resolve(model_config)` returns a copy in which every "auto" and every `None` default is decided,
+once, for the device the engine runs on: the rest of the engine reads concrete values only.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional
 
 GiB = 1024 ** 3
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+ATTENTION_BACKENDS = ("torch_ref", "triton")
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+def _knob(default, help: str, **flag):
+    """A field with its command-line help (and argparse extras such as `choices`)."""
+    return field(default=default, metadata={"help": help, **flag})
 
 
 @dataclass
 class EngineConfig:
-    model: str = "stories260K"
-    tokenizer: Optional[str] = None
-    dtype: str = "auto"
-    max_model_len: Optional[int] = None  # None: the model's max_position_embeddings
-    max_num_seqs: int = 256
-    max_num_batched_tokens: Optional[int] = None  # None: see `resolve`
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    num_blocks: Optional[int] = None  # explicit cache size in blocks (wins over memory knobs)
-    kv_cache_memory: Optional[int] = None  # explicit cache size in bytes (CPU default: see kv_cache)
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"  # or "swap": preempted blocks wait in a CPU pool
-    swap_space: Optional[float] = None  # GiB of CPU pool for "swap"; None: as large as the cache
-    num_cpu_blocks: Optional[int] = None  # explicit CPU pool size in blocks (wins over swap_space)
-    seed: int = 0
-    device: str = "auto"
-    attention_backend: Optional[str] = None  # None: "triton" on CUDA, "torch_ref" elsewhere
-    # Fused Triton kernels for norms + residual adds, SiLU-and-multiply, q/k norm + RoPE + K/V
-    # store (models/triton_ops.py). None: auto, on for CUDA with the triton backend. True needs
-    # attention_backend="triton" (on the CPU under TRITON_INTERPRET=1: slow, for tests).
-    fused_ops: Optional[bool] = None
-    record_block_tables: bool = False  # snapshot every block table into the trace (lessons)
-    enforce_eager: bool = False  # True: never replay decode steps from CUDA graphs
-    # Plan and launch step t+1 while the GPU still runs step t; read step t's tokens one step
-    # late (engine.py). None: on for CUDA, off on the CPU (no overlap to gain there).
-    async_scheduling: Optional[bool] = None
-    # What the KV cache stores: "auto" = the model's dtype; "fp8" (or "fp8_e4m3") = float8 e4m3,
-    # one byte per element (vLLM's kv_cache_dtype): twice the tokens per GiB and half the bytes
-    # each decode step reads, at 3 mantissa bits. Stored unscaled (vLLM's default scale of 1.0),
-    # clamped to e4m3's range of +-448.
-    kv_cache_dtype: str = "auto"
+    model: str = _knob("stories260K", "stories260K, an HF folder or hub id, or dummy:<preset>")
+    tokenizer: Optional[str] = _knob(None, "tokenizer folder or hub id; default: the model's")
+    dtype: str = _knob("auto", "weights and activations; auto: the model's config.json",
+                       choices=DTYPES)
+    max_model_len: Optional[int] = _knob(
+        None, "longest prompt + output in tokens; default: the model's max_position_embeddings")
+    max_num_seqs: int = _knob(256, "most sequences in one batch; more requests wait in the queue")
+    max_num_batched_tokens: Optional[int] = _knob(
+        None, "token budget of one step (prefill chunks + decodes); default 2048, or "
+              "max_model_len without chunked prefill")
+    block_size: int = _knob(16, "tokens per KV-cache block (a power of two)")
+    gpu_memory_utilization: float = _knob(
+        0.9, "share of GPU memory for weights + activations + KV cache (CUDA)")
+    num_blocks: Optional[int] = _knob(
+        None, "KV-cache size in blocks (wins over the memory knobs)")
+    kv_cache_memory: Optional[int] = _knob(
+        None, "KV-cache size in bytes; CPU default: max_num_seqs full-length sequences, at most "
+              "4 GiB")
+    enable_prefix_caching: bool = _knob(True, "reuse the KV blocks of identical prompt prefixes")
+    enable_chunked_prefill: bool = _knob(
+        True, "split long prompts into chunks that share steps with decodes")
+    preemption_mode: str = _knob(
+        "recompute", "recompute: free a preempted sequence's blocks and prefill it again later; "
+                     "swap: copy them to a CPU pool and back", choices=PREEMPTION_MODES)
+    swap_space: Optional[float] = _knob(
+        None, "GiB of CPU pool for preemption_mode=swap; default: as large as the KV cache")
+    num_cpu_blocks: Optional[int] = _knob(
+        None, "CPU pool size in blocks (wins over swap_space)")
+    seed: int = _knob(0, "seed of the weights' dummy init and of unseeded sampling")
+    device: str = _knob("auto", "auto: cuda if torch sees a GPU, else cpu")
+    attention_backend: Optional[str] = _knob(
+        None, "default: triton on CUDA, torch_ref elsewhere", choices=ATTENTION_BACKENDS)
+    fused_ops: Optional[bool] = _knob(
+        None, "fused Triton kernels for norm + residual add, SiLU-and-multiply and q/k norm + "
+              "RoPE + K/V store (models/fused_layers.py); default: on for CUDA with the triton "
+              "backend. On the CPU they need TRITON_INTERPRET=1 set before minipaged is "
+              "imported (slow, for tests)")
+    record_block_tables: bool = _knob(
+        False, "snapshot every block table into the trace (lessons' plots)")
+    enforce_eager: bool = _knob(False, "never replay decode steps from CUDA graphs")
+    async_scheduling: Optional[bool] = _knob(
+        None, "plan and launch step t+1 while the GPU still runs step t, reading step t's tokens "
+              "one step late (worker/async_scheduling.py); default: on for CUDA, off on the CPU")
+    kv_cache_dtype: str = _knob(
+        "auto", "what the KV cache stores. auto: the model's dtype; fp8 (fp8_e4m3): float8 e4m3, "
+                "one byte per element, unscaled and clamped to +-448: twice the tokens per GiB, "
+                "half the bytes each decode step reads, at 3 mantissa bits",
+        choices=KV_CACHE_DTYPES)
 
     def validate(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -57,20 +88,55 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
-        if self.preemption_mode not in ("recompute", "swap"):
+        if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={self.preemption_mode!r}: choose 'recompute' "
                              "(free the blocks, prefill again later) or 'swap' (copy the blocks "
                              "to CPU memory and back)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: choose one of "
                              f"{KV_CACHE_DTYPES}")
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose one of "
+                             f"{ATTENTION_BACKENDS}")
         if self.swap_space is not None and self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
 
-    def resolve(self, max_position_embeddings: int) -> None:
-        """Fill the `None` defaults from the model and check them against it."""
+    # --- every "auto", decided once --------------------------------------------------------
+    def resolve(self, model_config) -> "EngineConfig":
+        """A validated copy with every "auto" / `None` decided for this model and device.
+
+        `model_config` (models.config.ModelConfig) gives the default dtype and the longest
+        `max_model_len`. The fast paths are all chosen here: the engine, the worker and the model
+        read the answers (`device`, `attention_backend`, `fused_ops`, `async_scheduling` and the
+        properties below) and never decide again.
+        """
+        import torch
+
+        self.validate()
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        cuda = device.startswith("cuda")
+        if cuda and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}, but this torch ({torch.__version__}) sees no CUDA "
+                             "GPU. Use device='cpu' (or 'auto').")
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = str(model_config.torch_dtype).removeprefix("torch.")
+        from minipaged.attention import default_backend_name
+        backend = self.attention_backend or default_backend_name(device)
+        fused = self.fused_ops
+        if fused is None:
+            fused = cuda and backend == "triton"
+        out = replace(self, device=device, dtype=dtype, attention_backend=backend, fused_ops=fused,
+                      async_scheduling=cuda if self.async_scheduling is None
+                      else self.async_scheduling)
+        out._resolve_lengths(model_config.max_position_embeddings)
+        return out
+
+    def _resolve_lengths(self, max_position_embeddings: int) -> None:
         if self.max_model_len is None:
             self.max_model_len = max_position_embeddings
         elif self.max_model_len > max_position_embeddings:
@@ -89,6 +155,37 @@ class EngineConfig:
                 f"max_model_len={self.max_model_len}; without chunked prefill a prompt that long "
                 f"could never be scheduled. Raise max_num_batched_tokens, lower max_model_len, "
                 f"or set enable_chunked_prefill=True.")
+
+    # Derived choices of a resolved config: not knobs of their own.
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs: CUDA, the Triton backend, not enforce_eager."""
+        return self.is_cuda and self.attention_backend == "triton" and not self.enforce_eager
+
+    @property
+    def kv_head_major(self) -> bool:
+        """K/V stored head-major (worker/kv_cache.py): CUDA with the Triton backend."""
+        return self.is_cuda and self.attention_backend == "triton"
+
+    @property
+    def gpu_tuned_inputs(self) -> bool:
+        """Steps flattened longest-first, decodes first (worker/gpu_inputs.py): CUDA only; the
+        lessons print the CPU's batches in scheduler order."""
+        return self.is_cuda
+
+    @property
+    def sampler_kernel(self) -> bool:
+        """Plain temperature rows sample with the Triton kernels (sampling/kernels.py): CUDA."""
+        return self.is_cuda
+
+
+def engine_fields() -> list:
+    """The knobs, in declaration order (what the command line turns into flags)."""
+    return list(fields(EngineConfig))
 
 
 def kv_cache_too_small_error(*, max_model_len: int, bytes_per_token: int, available_bytes: int,

@@ -30,20 +30,11 @@ PromptType = str | list[int] | dict
 
 
 class LLM:
-    def __init__(self, model: str = "stories260K", tokenizer: Optional[str] = None,
-                 dtype: str = "auto", max_model_len: Optional[int] = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: Optional[int] = None, block_size: int = 16,
-                 gpu_memory_utilization: float = 0.9, num_blocks: Optional[int] = None,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 seed: int = 0, device: str = "auto", enforce_eager: bool = False, **kwargs):
-        self.config = EngineConfig(
-            model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
-            num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill, seed=seed, device=device,
-            enforce_eager=enforce_eager, **kwargs)
-        self.engine = LLMEngine(self.config)
+    def __init__(self, model: str = "stories260K", **engine_args):
+        """`engine_args`: any `EngineConfig` field (config.py), e.g. `max_model_len`,
+        `max_num_seqs`, `block_size`, `num_blocks`, `enable_prefix_caching`, `device`."""
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self.config = self.engine.config  # resolved: every "auto" decided
         self._counter = itertools.count()
 
     def get_tokenizer(self):

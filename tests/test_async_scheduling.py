@@ -1,8 +1,10 @@
-"""Async scheduling (engine.py): step t+1 is planned before step t's tokens are read.
+"""Async scheduling (worker/async_scheduling.py): step t+1 is planned before step t's tokens are
+read.
 
 On the GPU this hides the host's work behind the forward (tests/test_gpu.py runs it there, as the
-CUDA default); here it runs on the CPU, forced on, where only its logic matters: every request must end exactly as with synchronous steps, with
-placeholders never leaking into outputs, prefix-cache hashes or the block pool.
+CUDA default); here it runs on the CPU, forced on, where only its logic matters: every request
+must end exactly as with synchronous steps, the host's sequences hold only tokens it has read,
+and nothing unread leaks into outputs, prefix-cache hashes or the block pool.
 """
 import json
 import random
@@ -12,7 +14,6 @@ import pytest
 
 from minipaged import LLM, SamplingParams
 from minipaged.models.loader import resolve_model
-from minipaged.engine.sequence import PLACEHOLDER
 
 
 def _run(async_scheduling, prompts, params, **kw):
@@ -79,7 +80,7 @@ def test_async_with_eos_and_max_model_len(tmp_path):
     assert res[0] == res[1]
     reasons = {r for _, r in res[1]}
     assert reasons == {"stop", "length"}  # EOS stops some, max_model_len the others
-    assert all(PLACEHOLDER not in ids for ids, _ in res[1])
+    assert all(0 <= t < 512 for ids, _ in res[1] for t in ids)  # real tokens only
 
 
 def test_async_falls_back_for_groups_logprobs_and_penalties():
@@ -106,8 +107,9 @@ def test_async_prefix_cache_hashes_only_real_tokens():
     again = llm.generate([first.prompt_token_ids + first.outputs[0].token_ids[:-1]], sp,
                          use_tqdm=False)[0]
     assert again.num_cached_tokens >= 4 * ((len(first.prompt_token_ids) + 28) // 4) - 4
+    vocab = llm.engine.model_config.vocab_size
     for block in llm.engine.block_manager.allocator.blocks:
-        assert PLACEHOLDER not in block.token_ids
+        assert all(0 <= t < vocab for t in block.token_ids)  # real tokens only
 
 
 def test_async_abort_while_a_token_is_pending():
@@ -118,7 +120,8 @@ def test_async_abort_while_a_token_is_pending():
     eng.add_request("b", "The cat", sp)
     for _ in range(4):
         eng.step()
-    assert eng._pending is not None
+    assert eng.async_scheduling.pending is not None
+    assert eng.scheduler.in_flight  # the host holds true tokens; the unread ones are counted
     eng.abort_request("a")
     outs = []
     while eng.has_unfinished_requests():
@@ -151,7 +154,7 @@ def test_async_no_pending_step_left_once_every_request_stopped():
     assert out.outputs[0].finish_reason == "stop"
     eng = llm.engine
     assert not eng.has_unfinished_requests()
-    assert eng._pending is None
+    assert eng.async_scheduling.pending is None
     steps = len(eng.trace)
     assert eng.step() == [] and len(eng.trace) == steps  # nothing left to run or read
 

@@ -232,7 +232,7 @@ def test_incremental_detokenization_matches_full_decoding(llm):
     several byte-fallback tokens (stories260K: ids 3..258 are the bytes <0x00>..<0xFF>)."""
     import random
 
-    from minipaged.engine.llm_engine import detokenize, detokenize_incrementally
+    from minipaged.engine.output import detokenize, detokenize_incrementally
     from minipaged.engine.sequence import Sequence
     tok = llm.get_tokenizer()
     byte_tokens = {ch: [3 + b for b in ch.encode()] for ch in "é→日🙂"}
@@ -259,30 +259,40 @@ def test_incremental_detokenization_matches_full_decoding(llm):
         assert held_back > 0  # the multi-byte path was exercised
 
 
-def test_longest_first_batch_order_changes_no_token():
-    """On the GPU the model runner orders each step's batch longest context first (the attention
-    kernel's load balance); logits rows must still come back in the scheduler's order."""
+def test_gpu_model_runner_builds_the_same_step_as_the_lesson_runner():
+    """On the GPU the model runner orders each step's batch decodes first, longest context first
+    (the attention kernel's load balance), and packs and pads its inputs; logits rows must still
+    come back in the scheduler's order and every token must equal the readable runner's."""
+    from minipaged.worker.gpu_model_runner import GPUModelRunner
+    from minipaged.worker.model_runner import ModelRunner
     prompts = ["Once upon a time", "The cat sat on the mat and looked at the", "Tom",
                "Lily went to the park with her mom and"]
     sp = [SamplingParams(temperature=0, max_tokens=n) for n in (30, 12, 25, 18)]
     res = []
-    for longest_first in (False, True):
-        llm = LLM("stories260K", max_num_batched_tokens=16)  # chunked prefills mix in
-        llm.engine.model_runner.longest_first = longest_first
+    for gpu in (False, True):
+        llm = LLM("stories260K", max_num_batched_tokens=16, device="cpu")  # chunked prefills mix in
+        eng = llm.engine
+        assert type(eng.model_runner) is ModelRunner  # the CPU's choice
+        if gpu:
+            eng.model_runner = GPUModelRunner(eng.model, eng.kv_cache, eng.backend, 16,
+                                              max_num_seqs=256, max_model_len=512,
+                                              cuda_graphs=False)
         res.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
     assert res[0] == res[1]
 
 
-def test_dropped_engine_is_freed_by_reference_counting():
-    """On CUDA the engine freezes the heap (`engine.freeze_gc_heap`): objects alive then are never
-    walked by the cycle collector again. That is only safe if a dropped engine needs no cycle
-    collection to go away: no reference cycle may run through it."""
+@pytest.mark.parametrize("async_scheduling", [False, True])  # the CUDA default is True
+def test_dropped_engine_is_freed_by_reference_counting(async_scheduling):
+    """On CUDA the engine freezes the heap (`gpu_model_runner.freeze_gc_heap`): objects alive
+    then are never walked by the cycle collector again. That is only safe if a dropped engine
+    needs no cycle collection to go away: no reference cycle may run through it (async
+    scheduling's `step` included)."""
     import gc
     import weakref
 
-    from minipaged.engine.llm_engine import freeze_gc_heap
+    from minipaged.worker.gpu_model_runner import freeze_gc_heap
 
-    llm = LLM("stories260K", block_size=8, num_blocks=64)
+    llm = LLM("stories260K", block_size=8, num_blocks=64, async_scheduling=async_scheduling)
     llm.generate(["Once upon a time", "Tom had"], SamplingParams(max_tokens=8), use_tqdm=False)
     refs = [weakref.ref(o) for o in (llm.engine, llm.engine.model, llm.engine.scheduler,
                                      llm.engine.block_manager, llm.engine.model_runner)]

@@ -157,7 +157,7 @@ def test_tiny_model_fused_equals_unfused(tmp_path, family):
     for fused in (False, True):
         llm = LLM(str(tmp_path), dtype="float32", attention_backend="triton", fused_ops=fused,
                   num_blocks=32, block_size=8)
-        assert llm.engine.model.fused_ops is fused
+        assert llm.engine.model.layer_set.name == ("fused" if fused else "torch")
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(6), use_tqdm=False)
         tokens[fused] = [o.outputs[0].token_ids for o in outs]
     assert all(len(t) == 6 for t in tokens[True])
@@ -168,17 +168,28 @@ def test_stories260k_fused_matches_source_md():
     """The first 24 of SOURCE.md's 40 greedy tokens (all 40 take ~12 s under the interpreter;
     test_parity checks all of them on the unfused path)."""
     llm = LLM("stories260K", attention_backend="triton", fused_ops=True, num_blocks=64, block_size=8)
-    assert llm.engine.model.fused_ops
+    assert llm.engine.model.layer_set.name == "fused"
     out = llm.generate("Once upon a time", greedy(24), use_tqdm=False)[0]
     ids = out.prompt_token_ids + out.outputs[0].token_ids
     assert ids == STORIES_EXPECTED[:len(out.prompt_token_ids) + 24]
 
 
-def test_fused_ops_default_and_validation():
+def test_fused_ops_default_and_any_backend():
+    """The config decides: on for CUDA with the Triton backend, off elsewhere. The backend
+    interface is complete (store_kv / attend), so the fused layers also run with torch_ref,
+    which then only attends to the K/V the fused kernel stored."""
+    from minipaged.config import EngineConfig
+    from minipaged.models.config import ModelConfig
     source = resolve_model("stories260K")
-    model, _ = load_model(source, torch.float32, torch.device(DEVICE), TritonBackend(), 64)
-    assert model.fused_ops is (DEVICE == "cuda")  # None: on for CUDA + triton only
-    model, _ = load_model(source, torch.float32, torch.device(DEVICE), TorchRefBackend(), 64)
-    assert model.fused_ops is False
-    with pytest.raises(ValueError, match="attention_backend='triton'"):
-        load_model(source, torch.float32, torch.device(DEVICE), TorchRefBackend(), 64, fused_ops=True)
+    mc = ModelConfig.from_dict(source.config)
+    cfg = EngineConfig(device=DEVICE, attention_backend="triton").resolve(mc)
+    assert cfg.fused_ops is (DEVICE == "cuda")
+    assert EngineConfig(device=DEVICE, attention_backend="torch_ref").resolve(mc).fused_ops is False
+    model, _ = load_model(source, torch.float32, torch.device(DEVICE), TorchRefBackend(), 64,
+                          fused_ops=True)
+    assert model.model.norm.__class__.__name__ == "FusedRMSNorm"
+    llm = LLM("stories260K", attention_backend="torch_ref", fused_ops=True, num_blocks=64,
+              block_size=8, device=DEVICE)
+    out = llm.generate("Once upon a time", greedy(12), use_tqdm=False)[0]
+    ids = out.prompt_token_ids + out.outputs[0].token_ids
+    assert ids == STORIES_EXPECTED[:len(out.prompt_token_ids) + 12]

@@ -78,8 +78,8 @@ def test_sampling_kernel_matches_softmax_on_gpu():
     logits = torch.tensor([1.0, 0.2, -0.5, 0.8, -1.5, 0.0], device="cuda")
     n = 60_000
     seq = Sequence("r", [1], SamplingParams(temperature=0.7))
-    sampler = Sampler(seed=3)
-    assert sampler._kernel_applies(logits[None], [seq.sampling_params])  # the CUDA default
+    sampler = Sampler(seed=3, use_kernel=True)  # what a CUDA engine builds (sampler_kernel)
+    assert sampler._kernel_applies(logits[None], [seq.sampling_params])
     tokens = sampler.sample(logits.repeat(n, 1), [seq] * n)
     counts = torch.bincount(tokens.cpu(), minlength=6).double()
     probs = (logits.cpu().double() / 0.7).softmax(-1)

@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from minipaged import LLM, BeamSearchParams, EngineConfig, SamplingParams
 from minipaged.engine.block_manager import BlockManager
-from minipaged.worker.kv_cache import allocate_cpu_cache, copy_blocks, swap_in_blocks, swap_out_blocks
+from minipaged.worker.kv_cache import copy_blocks
+from minipaged.worker.swap import allocate_cpu_cache, swap_in_blocks, swap_out_blocks
 from minipaged.engine.sequence import Sequence, SequenceGroup
 
 

@@ -22,6 +22,7 @@ from minipaged.attention import get_attention_backend  # noqa: E402
 from minipaged.attention import triton_kernels as tk  # noqa: E402
 from minipaged.attention.metadata import AttentionMetadata  # noqa: E402
 from minipaged.attention.torch_ref import TorchRefBackend, paged_attention_reference  # noqa: E402
+from minipaged.worker.gpu_model_runner import GPUModelRunner  # noqa: E402
 from minipaged.attention.triton_backend import TritonBackend  # noqa: E402
 
 pytestmark = IGNORE_INTERPRETER_WARNINGS
@@ -357,9 +358,10 @@ def test_engine_with_the_gpu_choices_equals_torch_ref():
     want = [list(o.outputs[0].token_ids) for o in ref.generate(prompts, params, use_tqdm=False)]
     llm = LLM("stories260K", attention_backend="triton", **kwargs)
     eng = llm.engine
-    eng.kv_cache = eng.model_runner.kv_cache = allocate_kv_cache(
-        eng.model_config, eng.num_blocks, 8, eng.kv_dtype, eng.device, head_major=True)
-    eng.model_runner.longest_first = True
+    eng.kv_cache = allocate_kv_cache(eng.model_config, eng.num_blocks, 8, eng.kv_dtype,
+                                     eng.device, head_major=True)
+    eng.model_runner = GPUModelRunner(eng.model, eng.kv_cache, eng.backend, 8, max_num_seqs=256,
+                                      max_model_len=512, cuda_graphs=False)  # decodes first
     eng.backend.num_splits = 4
     got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want

@@ -4,8 +4,9 @@
   with a causal offset. Readable, runs anywhere, and the oracle for every kernel test.
 * `triton` (triton_kernels.py): the Triton kernels of lesson 05. Default on CUDA.
 
-Every backend implements `AttentionBackend`: `prepare(metadata)` once per step (work that is the
-same for every layer), then `forward(...)` once per layer. The model never knows which one runs.
+Every backend implements `AttentionBackend` (metadata.py): `prepare(metadata)` once per step
+(work that is the same for every layer), then `store_kv(...)` and `attend(...)` once per layer.
+The model never knows which one runs; `EngineConfig.resolve` picks it (`default_backend_name`).
 """
 from __future__ import annotations
 
@@ -27,8 +28,7 @@ def default_backend_name(device: str) -> str:
     return "triton" if str(device).startswith("cuda") and triton_available() else "torch_ref"
 
 
-def get_attention_backend(name: str | None, device: str) -> AttentionBackend:
-    name = name or default_backend_name(device)
+def get_attention_backend(name: str, device: str) -> AttentionBackend:
     if name == "torch_ref":
         from minipaged.attention.torch_ref import TorchRefBackend
         return TorchRefBackend()

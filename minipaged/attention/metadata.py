@@ -48,20 +48,39 @@ class AttentionMetadata:
 
 
 class AttentionBackend:
-    """Interface every backend implements (see `minipaged.attention`)."""
+    """Interface every backend implements (see `minipaged.attention`).
+
+    Per step `prepare(metadata)` once (work shared by all layers); per layer `store_kv` (the
+    step's new K/V into their slots) then `attend` (the queries over the cache, which now holds
+    this step's keys too). The model calls `attend` after its `QKVRopeStore` layer has stored
+    K/V, through `store_kv` or, fused, in its own kernel (models/fused_layers.py).
+    """
 
     name = "base"
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         """Per-step work shared by all layers; may set `metadata.plan`."""
 
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
+        """Write each new token's K/V to `metadata.slot_mapping[token]` (slot -1: padding).
+
+        k, v: (num_tokens, num_kv_heads, head_dim)
+        k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim)
+        """
+        raise NotImplementedError
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Causal attention of the step's queries over the paged cache.
+
+        q: (num_tokens, num_heads, head_dim); returns (num_tokens, num_heads, head_dim)
+        """
+        raise NotImplementedError
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Store the step's new K/V in the cache, then attend.
-
-        q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim)
-        k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim)
-        returns (num_tokens, num_heads, head_dim)
-        """
-        raise NotImplementedError
+        """`store_kv`, then `attend`: one layer's attention in a single call (tests, lessons)."""
+        self.store_kv(k, v, k_cache, v_cache, metadata)
+        return self.attend(q, k_cache, v_cache, metadata, scale)

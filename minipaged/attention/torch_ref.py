@@ -68,6 +68,11 @@ def build_group(metadata: AttentionMetadata, seq_ids: list[int]) -> _Group:
                   slots=slots, mask=mask[:, None])  # (G, 1, max_q, max_ctx)
 
 
+def _slots(cache: torch.Tensor) -> torch.Tensor:
+    """(num_blocks * block_size, kv_heads, dim): one row per slot; float8 is indexed as bytes."""
+    return raw(cache).view(-1, cache.shape[2], cache.shape[3])
+
+
 class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
 
@@ -85,18 +90,20 @@ class TorchRefBackend(AttentionBackend):
             store_tokens=None if all_valid else keep.nonzero().squeeze(1),
             groups=groups, identity_order=identity)
 
-    def forward(self, q, k, v, k_cache, v_cache, metadata, scale):
+    def store_kv(self, k, v, k_cache, v_cache, metadata):
+        """Each new token's K/V goes to its slot (padding tokens are skipped)."""
         plan: TorchRefPlan = metadata.plan
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        # (num_blocks * block_size, kv_heads, dim); a float8 cache is indexed as bytes (raw)
-        k_flat = raw(k_cache).view(-1, num_kv_heads, head_dim)
-        v_flat = raw(v_cache).view(-1, num_kv_heads, head_dim)
-        # 1. store: each new token's K/V goes to its slot (padding tokens are skipped).
+        k_flat, v_flat = _slots(k_cache), _slots(v_cache)
         if plan.store_tokens is not None:
             k, v = k[plan.store_tokens], v[plan.store_tokens]
         k_flat.index_copy_(0, plan.store_slots, raw(to_cache_dtype(k, k_cache.dtype)))
         v_flat.index_copy_(0, plan.store_slots, raw(to_cache_dtype(v, v_cache.dtype)))
-        # 2. attend, one SDPA per group.
+
+    def attend(self, q, k_cache, v_cache, metadata, scale):
+        """One gather and one masked SDPA per group of sequences."""
+        plan: TorchRefPlan = metadata.plan
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_flat, v_flat = _slots(k_cache), _slots(v_cache)
         out = q.new_empty(q.shape) if not plan.identity_order else None
         for g in plan.groups:
             if plan.identity_order:  # rows already in order: a view, no gather

@@ -119,18 +119,15 @@ class TritonBackend(AttentionBackend):
             launches.append(_Launch(part, config, num_splits, workspace))
         return launches
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor,
-                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        # 1. store: each new token's K/V into its slot (slot -1 = padding, skipped in the kernel)
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
+        # each new token's K/V into its slot (slot -1 = padding, skipped in the kernel)
         tk.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        # 2. attend over the cache, which now holds this step's keys too
-        return self.attend(q, k_cache, v_cache, metadata, scale)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Attention only: the step's K/V are already in the cache (`forward` stored them, or the
-        model's fused q/k/v kernel did, see `models/triton_ops.py`). Returns (num_tokens, heads, dim)."""
+        """The step's K/V are already in the cache (`store_kv`, or the fused q/k/v kernel of
+        `models/fused_layers.py`). Returns (num_tokens, heads, dim)."""
         if metadata.plan is None or not isinstance(metadata.plan, TritonPlan):
             self.prepare(metadata)
         plan: TritonPlan = metadata.plan

@@ -23,7 +23,7 @@ Three kernels:
 3. `reduce_splits_kernel`: merges those partial results, weighting each by its share of the
    softmax mass.
 
-Shapes (the vLLM Triton-backend layout, see DESIGN.md):
+Shapes (the vLLM Triton-backend layout, see worker/kv_cache.py):
 
     q            (num_tokens, num_heads, head_dim)          any dtype, last dim contiguous
     k, v         (num_tokens, num_kv_heads, head_dim)       this step's new keys/values
@@ -52,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minipaged.utils import check_last_dim_contiguous, last_dim_contiguous
 from minipaged.worker.kv_cache import is_fp8, to_cache_dtype
 
 
@@ -91,8 +92,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         return
     if k.dtype != k_cache.dtype:  # the model may run in another dtype than the cache (fp8)
         k, v = to_cache_dtype(k, k_cache.dtype), to_cache_dtype(v, v_cache.dtype)
-    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
-    _check_last_dim_contiguous(k_cache=k_cache, v_cache=v_cache)
+    k, v = last_dim_contiguous(k), last_dim_contiguous(v)
+    check_last_dim_contiguous(k_cache=k_cache, v_cache=v_cache)
     assert k_cache.stride() == v_cache.stride(), "K and V caches must share one layout"
     store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
@@ -392,8 +393,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group_pad = triton.next_power_of_2(group)
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads for {num_kv_heads} KV heads"
     assert config.block_m % group_pad == 0 and num_splits & (num_splits - 1) == 0
-    q = _last_dim_contiguous(q)
-    _check_last_dim_contiguous(k_cache=k_cache, v_cache=v_cache)
+    q = last_dim_contiguous(q)
+    check_last_dim_contiguous(k_cache=k_cache, v_cache=v_cache)
     assert k_cache.stride() == v_cache.stride(), "K and V caches must share one layout"
     if out is None:
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -442,13 +443,3 @@ def split_workspace(num_tokens: int, num_heads: int, head_dim: int, num_splits: 
                         device=device),
             torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=device))
 
-
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
-    for name, t in tensors.items():
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dimension (head_dim); got "
-                             f"strides {tuple(t.stride())}. Call .contiguous() first.")

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Optional
 
-from minipaged.config import KV_CACHE_DTYPES
+from minipaged.cli.args import HelpFormatter, add_engine_args, engine_kwargs
 
 DEMO_OPENINGS = [
     "Once upon a time", "One day, a little girl named Lily", "Tom had a big red ball",
@@ -29,42 +29,11 @@ DEMO_OPENINGS = [
 ]
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--attention-backend", default=None, choices=[None, "torch_ref", "triton"])
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--no-async-scheduling", action="store_true",
-                   help="read every step's tokens before planning the next (default on CUDA: "
-                        "plan step t+1 while the GPU runs step t)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="auto: the model's dtype; fp8: float8 e4m3, half the bytes per token")
-    p.add_argument("--no-fused-ops", action="store_true",
-                   help="plain torch ops between the matrix multiplies (default on CUDA: the "
-                        "fused Triton kernels of models/triton_ops.py)")
-
-
-def engine_kwargs(a) -> dict:
-    return dict(dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
-                max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
-                num_blocks=a.num_blocks, gpu_memory_utilization=a.gpu_memory_utilization,
-                device=a.device, attention_backend=a.attention_backend,
-                enforce_eager=a.enforce_eager,
-                async_scheduling=False if a.no_async_scheduling else None,
-                fused_ops=False if a.no_fused_ops else None, kv_cache_dtype=a.kv_cache_dtype)
-
-
 def cmd_generate(a) -> int:
     from minipaged import LLM, SamplingParams
-    llm = LLM(a.model, **engine_kwargs(a))
+    llm = LLM(**engine_kwargs(a))
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                            max_tokens=a.max_tokens, seed=a.seed)
+                            max_tokens=a.max_tokens)  # unseeded rows draw from --seed's stream
     for out in llm.generate(a.prompt, params, use_tqdm=False):
         print(f"{out.prompt}{out.outputs[0].text}")
         print(f"[{len(out.outputs[0].token_ids)} tokens, finish_reason={out.outputs[0].finish_reason}]")
@@ -115,7 +84,7 @@ def cmd_demo(a) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
-        from minipaged.lessons.bench import main as bench_main
+        from minipaged.cli.bench import main as bench_main
         bench_main(argv[1:])
         return 0
     if argv and argv[0] == "serve":
@@ -129,14 +98,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     d.add_argument("--max-tokens", type=int, default=128)
     d.add_argument("--block-size", type=int, default=16)
     d.add_argument("--show", type=int, default=8, help="how many stories to print")
-    g = sub.add_parser("generate", help="generate text for one or more prompts")
-    g.add_argument("--model", default="stories260K")
+    g = sub.add_parser("generate", help="generate text for one or more prompts",
+                       formatter_class=HelpFormatter)
     g.add_argument("--prompt", action="append", required=True)
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
     add_engine_args(g)
     sub.add_parser("bench", help="throughput vs HF baselines (see `minipaged bench --help`)")
     sub.add_parser("serve", help="OpenAI-compatible server (see `minipaged serve --help`)")

@@ -21,24 +21,19 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from minipaged.cli.args import HelpFormatter, add_engine_args, engine_config_from_args, flag_names
+
 DESCRIPTION = __doc__.split("\n\n")[0].replace("\n", " ")
 
 
 def _flag(p, name: str, *aliases: str, **kw):
     """Add `--some-flag`, its vLLM spelling `--some_flag`, and any other aliases."""
-    names = [name]
-    underscored = "--" + name[2:].replace("-", "_")
-    if underscored != name:
-        names.append(underscored)
-    return p.add_argument(*names, *aliases, **kw)
+    return p.add_argument(*flag_names(name[2:].replace("-", "_")), *aliases, **kw)
 
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="minipaged serve", description=DESCRIPTION,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("model", nargs="?", default="stories260K",
-                   help="stories260K, an HF directory or hub id, or dummy:<preset>")
-    p.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
+                                formatter_class=HelpFormatter)
     s = p.add_argument_group("server")
     _flag(s, "--served-model-name", nargs="+", default=None,
           help="name(s) clients use in `model`; default: MODEL")
@@ -56,29 +51,7 @@ def make_parser() -> argparse.ArgumentParser:
           help="accepted for old vLLM commands; --reasoning-parser alone is enough")
     _flag(s, "--uvicorn-log-level", default="info",
           choices=["critical", "error", "warning", "info", "debug", "trace"])
-    e = p.add_argument_group("engine")
-    _flag(e, "--max-model-len", type=int, default=None,
-          help="longest prompt + output in tokens; default: the model's max_position_embeddings")
-    _flag(e, "--max-num-seqs", type=int, default=256,
-          help="most sequences in one batch; more requests wait in the queue")
-    _flag(e, "--max-num-batched-tokens", type=int, default=None,
-          help="token budget of one step (prefill chunks + decodes)")
-    _flag(e, "--block-size", type=int, default=16, help="tokens per KV-cache block")
-    _flag(e, "--gpu-memory-utilization", type=float, default=0.9,
-          help="share of GPU memory for weights + activations + KV cache")
-    _flag(e, "--num-blocks", type=int, default=None,
-          help="KV-cache size in blocks (overrides the memory-based sizing)")
-    _flag(e, "--dtype", default="auto",
-          choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
-    _flag(e, "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-          help="reuse KV blocks of identical prompt prefixes")
-    _flag(e, "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    _flag(e, "--enforce-eager", action="store_true",
-          help="never replay decode steps from CUDA graphs (GPU only)")
-    _flag(e, "--tokenizer", default=None)
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--device", default="auto")
-    _flag(e, "--attention-backend", default=None, choices=["torch_ref", "triton"])
+    add_engine_args(p)  # every EngineConfig field, as in `minipaged generate` and `bench`
     c = p.add_argument_group("accepted for vLLM compatibility")
     _flag(c, "--trust-remote-code", action="store_true",
           help="not needed: minipaged implements the Llama family itself and runs no model code")
@@ -121,14 +94,13 @@ def load_chat_template(value: Optional[str]) -> Optional[str]:
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     a = make_parser().parse_args(argv)
-    a.model = a.model_flag or a.model
+    a.model = a.model_arg or a.model
     a.api_key = a.api_key or os.environ.get("MINIPAGED_API_KEY") or None
     return a
 
 
 def build_app_from_args(a: argparse.Namespace):
     """Load the model, build the engine, the async engine, the metrics and the app."""
-    from minipaged.config import EngineConfig
     from minipaged.engine.llm_engine import LLMEngine
     from minipaged.server.api_server import build_app
     from minipaged.server.async_engine import AsyncLLMEngine
@@ -138,13 +110,7 @@ def build_app_from_args(a: argparse.Namespace):
     parser = get_reasoning_parser(a.reasoning_parser) if a.reasoning_parser else None
     template = load_chat_template(a.chat_template)
     names = a.served_model_name or [a.model]
-    config = EngineConfig(
-        model=a.model, tokenizer=a.tokenizer, dtype=a.dtype, max_model_len=a.max_model_len,
-        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-        block_size=a.block_size, gpu_memory_utilization=a.gpu_memory_utilization,
-        num_blocks=a.num_blocks, enable_prefix_caching=a.enable_prefix_caching,
-        enable_chunked_prefill=a.enable_chunked_prefill, seed=a.seed, device=a.device,
-        attention_backend=a.attention_backend, enforce_eager=a.enforce_eager)
+    config = engine_config_from_args(a)
     engine = LLMEngine(config)
     async_engine = AsyncLLMEngine(engine, Metrics(names[0]))
     root = str(engine.source.path) if engine.source.path is not None else a.model

@@ -328,8 +328,9 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.num_computed_tokens // bs <= len(hashes):
             return  # (the common case: no block filled up since the last call)
         table = self.block_tables[seq.seq_id]
-        # Only blocks whose tokens are all known (async scheduling leaves placeholders at the end).
-        known = min(seq.num_computed_tokens, seq.num_tokens - seq.num_pending_tokens)
+        # Only blocks whose tokens the host knows: with async scheduling the newest computed
+        # token can still be on its way from the GPU.
+        known = min(seq.num_computed_tokens, seq.num_tokens)
         num_full = min(known // bs, len(table))
         for i in range(len(hashes), num_full):
             chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])

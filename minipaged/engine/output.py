@@ -1,10 +1,24 @@
-"""vLLM-shaped results: `RequestOutput` holding one `CompletionOutput` per sample."""
+"""After the sampler: stop checks, detokenizing, and vLLM-shaped results (lessons 03, 04, 06).
+
+`OutputProcessor` (vLLM V1's name) is what the engine calls once a sequence has its new token:
+
+    check_stop(seq, token)   EOS, a stop token, a stop string, max_tokens, max_model_len
+    detokenize(seq)          bring `seq.output_text` up to date (streaming, stop strings)
+    make_output(seq)         a `RequestOutput` holding one `CompletionOutput` per sample
+
+Text is decoded incrementally while a request runs (a few tokens per step, vLLM's offsets) and
+once, whole, when it finishes.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
+from minipaged.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.sampling import Logprob
+
+if TYPE_CHECKING:  # pragma: no cover
+    from minipaged.engine.beam_search import BeamSearchState
 
 
 @dataclass
@@ -30,3 +44,140 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict = field(default_factory=dict)  # arrival / first token / finished times
+
+
+def detokenize(tokenizer, prompt_ids: list[int], output_ids: list[int], skip_special: bool) -> str:
+    """Text of `output_ids` as it reads *after* the prompt.
+
+    Decoding the output alone would lose the leading space that sentencepiece folds into the
+    first token ("Lily" + "▁went" would decode to "went"), so decode a few prompt tokens with it
+    and cut their text off again.
+    """
+    context = prompt_ids[-4:]
+    head = tokenizer.decode(context, skip_special_tokens=skip_special)
+    full = tokenizer.decode(context + output_ids, skip_special_tokens=skip_special)
+    if full.startswith(head):
+        return full[len(head):]
+    return tokenizer.decode(output_ids, skip_special_tokens=skip_special)
+
+
+def detokenize_incrementally(tokenizer, seq: Sequence) -> None:
+    """Append the text of `seq`'s newest tokens to `seq.output_text` (vLLM's offsets).
+
+    Decoding the whole output at every step costs O(length) per token; this decodes only a short
+    window: the tokens not yet turned into text plus those of the last piece of text before them
+    (so sentencepiece's leading spaces come out right). A token that ends in the middle of a
+    multi-byte character ("\ufffd") waits for the next one.
+    """
+    ids = seq.token_ids  # prompt + output
+    skip = seq.sampling_params.skip_special_tokens
+    if seq.detok_read_offset < 0:  # first call: the window starts in the prompt's last tokens
+        seq.detok_read_offset = seq.num_prompt_tokens
+        seq.detok_prefix_offset = max(seq.num_prompt_tokens - 4, 0)
+    prefix_text = tokenizer.decode(ids[seq.detok_prefix_offset:seq.detok_read_offset],
+                                   skip_special_tokens=skip)
+    new_text = tokenizer.decode(ids[seq.detok_prefix_offset:], skip_special_tokens=skip)
+    if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+        seq.output_text += new_text[len(prefix_text):]
+        seq.detok_prefix_offset, seq.detok_read_offset = seq.detok_read_offset, len(ids)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: list[int], max_model_len: int, block_size: int):
+        self.tokenizer = tokenizer  # None for dummy weights: outputs carry token ids only
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+
+    def check_stop(self, seq: Sequence, token: int) -> Optional[SequenceStatus]:
+        """The finished status `seq` reaches with its newest `token`, or None to go on."""
+        p = seq.sampling_params
+        n_out = seq.num_output_tokens
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return SequenceStatus.FINISHED_STOPPED
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                return SequenceStatus.FINISHED_STOPPED
+            if p.stop:
+                self.detokenize(seq)
+                for stop in p.stop:
+                    idx = seq.output_text.find(stop)
+                    if idx != -1:
+                        end = idx + len(stop) if p.include_stop_str_in_output else idx
+                        seq.output_text = seq.output_text[:end]
+                        seq.stop_reason = stop
+                        return SequenceStatus.FINISHED_STOPPED
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        if seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def detokenize(self, seq: Sequence) -> None:
+        """Bring `seq.output_text` up to date while it runs (streaming, stop strings)."""
+        if self.tokenizer is not None:
+            detokenize_incrementally(self.tokenizer, seq)
+
+    def text(self, seq: Sequence, output_ids: list[int], skip_special: bool) -> str:
+        if self.tokenizer is None:
+            return ""
+        return detokenize(self.tokenizer, seq.prompt_token_ids, output_ids, skip_special)
+
+    def completion(self, seq: Sequence) -> CompletionOutput:
+        if (seq.is_finished and not isinstance(seq.stop_reason, str)  # stop strings trim text
+                and self.tokenizer is not None):  # the final text, decoded in one go
+            seq.output_text = self.text(seq, seq.output_token_ids,
+                                        seq.sampling_params.skip_special_tokens)
+        return CompletionOutput(
+            index=seq.index, text=seq.output_text, token_ids=list(seq.output_token_ids),
+            cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+            logprobs=seq.logprobs, finish_reason=seq.status.value if seq.is_finished else None,
+            stop_reason=seq.stop_reason)
+
+    def request_output(self, seq: Sequence, outputs: list[CompletionOutput], finished: bool,
+                       **metrics) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
+            outputs=outputs, finished=finished, num_cached_tokens=seq.num_cached_tokens,
+            metrics={"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time,
+                     "finished_time": seq.finished_time, "num_preemptions": seq.num_preemptions,
+                     # prefix cache: the share of the prompt it served, in tokens and blocks
+                     "prefix_cache_hit_rate": seq.num_cached_tokens / seq.num_prompt_tokens,
+                     "num_cached_blocks": seq.num_cached_tokens // self.block_size, **metrics})
+
+    def make_output(self, seq: Sequence) -> RequestOutput:
+        return self.request_output(seq, [self.completion(seq)], seq.is_finished)
+
+    def make_group_output(self, group: SequenceGroup, root: Optional[Sequence]) -> RequestOutput:
+        """n samples ordered by index; or a beam search's finished hypotheses, best first (its
+        live beams while it runs). `root`: the request's first sequence."""
+        if group.beam is None:
+            for s in group.seqs:
+                if not s.is_finished:  # streaming: the text so far
+                    self.detokenize(s)
+            outputs = [self.completion(s) for s in sorted(group.seqs, key=lambda s: s.index)]
+            times = [s.first_token_time for s in group.seqs if s.first_token_time is not None]
+            return self.request_output(
+                group.seqs[0], outputs, group.is_finished,
+                first_token_time=min(times, default=None),
+                finished_time=max((s.finished_time or 0.0 for s in group.seqs), default=None)
+                if group.is_finished else None,
+                num_preemptions=sum(s.num_preemptions for s in group.seqs))
+        root = root or group.seqs[0]
+        return self.request_output(root, self._beam_outputs(group.beam, group.seqs, root),
+                                   group.beam.done)
+
+    def _beam_outputs(self, beam: "BeamSearchState", beams: list[Sequence],
+                      root: Sequence) -> list[CompletionOutput]:
+        skip = root.sampling_params.skip_special_tokens
+        if beam.done:
+            return [CompletionOutput(
+                index=i, text=self.text(root, h.token_ids, skip), token_ids=h.token_ids,
+                cumulative_logprob=h.cum_logprob, logprobs=h.logprobs,
+                finish_reason=h.finish_reason)
+                for i, h in enumerate(beam.results())]
+        return [CompletionOutput(
+            index=i, text=self.text(root, s.output_token_ids, skip),
+            token_ids=list(s.output_token_ids), cumulative_logprob=s.cumulative_logprob,
+            logprobs=list(s.logprobs)) for i, s in enumerate(beams)]

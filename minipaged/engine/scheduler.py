@@ -41,6 +41,9 @@ class ScheduledSeq:
     is_prefill: bool  # more than the newest token (prompt, chunk, or recompute)
     samples: bool  # this step reaches the sequence's last known token, so it samples the next
     num_cached_tokens: int = 0  # admitted this step: tokens served from the prefix cache
+    # Its block table (logical block i -> physical block id) as the step leaves it: what the
+    # worker needs to find the cache slots, so it never asks the block manager.
+    block_table: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -106,6 +109,11 @@ class Scheduler:
     def _has_seats(self, n: int) -> bool:
         return len(self.running) + self.num_reserved_seats + n <= self.max_num_seqs
 
+    def num_tokens_to_compute(self, seq: Sequence) -> int:
+        """Tokens of a running `seq` whose K/V are not in the cache yet (async scheduling counts
+        one more: the token the GPU is sampling, see `worker/async_scheduling.py`)."""
+        return seq.num_uncomputed_tokens
+
     # --- the step plan ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -122,9 +130,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if seq.stop_pending:
-                continue  # async scheduling: its last token (still on the GPU) is its last one
-            uncomputed = seq.num_uncomputed_tokens
+            uncomputed = self.num_tokens_to_compute(seq)
             n = min(uncomputed, budget)
             if n == 0:
                 continue  # a beam whose logits wait for its siblings' (beam_search.py)
@@ -171,6 +177,8 @@ class Scheduler:
                                               seq.num_computed_tokens + n == seq.num_tokens,
                                               num_cached))
             budget -= n
+        for s in out.scheduled:
+            s.block_table = bm.block_tables[s.seq.seq_id]
         return out
 
     def _admit_beams(self, group, out: SchedulerOutput, budget: int):

@@ -48,10 +48,6 @@ _FINISHED = frozenset({SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_
                        SequenceStatus.FINISHED_ABORTED})
 _seq_counter = itertools.count()
 
-# Async scheduling (engine.py): a token the GPU has sampled but the host has not read yet. It holds
-# the token's place in `token_ids` so every length is right while the next step is planned.
-PLACEHOLDER = -1
-
 
 @dataclass(eq=False)
 class Sequence:
@@ -71,7 +67,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     logprobs: Optional[list[dict[int, "Logprob"]]] = None
     output_text: str = ""
-    # Incremental detokenization (engine.detokenize_incrementally): token_ids[prefix:read] is the
+    # Incremental detokenization (output.detokenize_incrementally): token_ids[prefix:read] is the
     # window whose text is already in output_text; -1 until the first call.
     detok_prefix_offset: int = -1
     detok_read_offset: int = -1
@@ -85,11 +81,6 @@ class Sequence:
     group: Optional["SequenceGroup"] = field(default=None, repr=False)
     index: int = 0  # which of the group's samples (its CompletionOutput.index); beams: a counter
     recompute_until: int = 0  # tokens whose K/V a recompute preemption threw away (for the trace)
-    # Async scheduling: PLACEHOLDER tokens at the end of token_ids (and output_token_ids) whose
-    # values are still on the GPU; and "its last placeholder reaches max_tokens / max_model_len",
-    # so the scheduler gives it no further step while the engine waits to read that token.
-    num_pending_tokens: int = 0
-    stop_pending: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:

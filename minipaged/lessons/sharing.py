@@ -206,12 +206,12 @@ def swap_copy_microbenchmark(block_sizes: Sequence[int] = (8, 16, 32, 64), total
                              num_layers: int = 28, kv_heads: int = 8, head_dim: int = 128,
                              dtype=None, device: str = "cpu", repeats: int = 5) -> list[dict]:
     """Time to copy `total_tokens` tokens of K/V to the CPU pool, per block size, two ways: ours
-    (`kv_cache.swap_out_blocks`: one gather, a few large copies) and vLLM v0's (one copy per
+    (`worker/swap.py`'s `swap_out_blocks`: one gather, a few large copies) and vLLM v0's (one copy per
     block, layer and K/V). Shapes default to Qwen3-0.6B's KV (28 layers, 8 KV heads x 128, bf16
     on CUDA)."""
     import torch
 
-    from minipaged.worker.kv_cache import allocate_cpu_cache, swap_out_blocks
+    from minipaged.worker.swap import allocate_cpu_cache, swap_out_blocks
     dev = torch.device(device)
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     rows = []

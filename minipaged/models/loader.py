@@ -123,19 +123,18 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, backend,
-               max_positions: int, seed: int = 0, fused_ops: Optional[bool] = None):
+               max_positions: int, seed: int = 0, fused_ops: bool = False):
     """Build `LlamaForCausalLM` on `device` in `dtype` and fill its weights.
 
-    `fused_ops`: run the element-wise work through the fused Triton kernels of `triton_ops.py`.
-    None means on for CUDA with the Triton backend, off elsewhere; True needs the Triton backend.
+    `fused_ops`: build it from the fused Triton layers (models/fused_layers.py) instead of the
+    torch ones (the engine decides, in `EngineConfig.resolve`).
     """
+    from minipaged.models.layers import get_layers
     from minipaged.models.llama import LlamaForCausalLM
 
-    if fused_ops is None:
-        fused_ops = torch.device(device).type == "cuda" and getattr(backend, "name", None) == "triton"
     cfg = ModelConfig.from_dict(source.config)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend, max_positions, fused_ops=fused_ops)
+        model = LlamaForCausalLM(cfg, backend, max_positions, get_layers(fused_ops))
     model = model.to_empty(device=device).to(dtype)  # parameters allocated, not yet filled
     model.rotary.init_table(device)
     if source.dummy:

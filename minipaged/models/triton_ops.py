@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minipaged.attention.triton_kernels import _check_last_dim_contiguous, _last_dim_contiguous
+from minipaged.utils import check_last_dim_contiguous, last_dim_contiguous
 from minipaged.worker.kv_cache import FP8_MAX, is_fp8
 
 
@@ -142,7 +142,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     Replaces `chunk`, `F.silu` and the multiply (two kernels and an intermediate tensor)."""
     num_tokens, width = x.shape
     intermediate = width // 2
-    x = _last_dim_contiguous(x)
+    x = last_dim_contiguous(x)
     out = torch.empty(num_tokens, intermediate, dtype=x.dtype, device=x.device)
     if num_tokens > 0:
         block = min(triton.next_power_of_2(intermediate), 1024)
@@ -254,9 +254,9 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("pass both q_norm_weight and k_norm_weight, or neither")
     assert k_cache.stride() == v_cache.stride(), "K and V caches must share one layout"
-    qkv, cos, sin = _last_dim_contiguous(qkv), _last_dim_contiguous(cos), _last_dim_contiguous(sin)
+    qkv, cos, sin = last_dim_contiguous(qkv), last_dim_contiguous(cos), last_dim_contiguous(sin)
     assert cos.stride() == sin.stride(), "cos and sin tables must share one layout"
-    _check_last_dim_contiguous(k_cache=k_cache, v_cache=v_cache)  # written in place
+    check_last_dim_contiguous(k_cache=k_cache, v_cache=v_cache)  # written in place
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return q
@@ -282,5 +282,5 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
 # --------------------------------------------------------------------------------------------
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as (rows, last dim) with a contiguous last dim (a view whenever possible)."""
-    return _last_dim_contiguous(x.reshape(-1, x.shape[-1]))
+    return last_dim_contiguous(x.reshape(-1, x.shape[-1]))
 

@@ -38,7 +38,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from minipaged.engine.llm_engine import LLMEngine, RequestError, detokenize
+from minipaged.engine.llm_engine import LLMEngine, RequestError
+from minipaged.engine.output import detokenize
 from minipaged.engine.output import RequestOutput
 from minipaged.sampling import SamplingParams
 from minipaged.server.metrics import Metrics

@@ -1,6 +1,23 @@
 """The device side of the engine: one step's tensors, the forward, the KV cache (lessons 03, 05, 08).
 
-    model_runner.py   `SchedulerOutput` -> input_ids, positions, `AttentionMetadata` -> logits
-    kv_cache.py       the KV cache tensor: sizing, allocation, copy-on-write, swap
-    cuda_graphs.py    decode steps replayed from CUDA graphs (CUDA only)
+    model_runner.py       `SchedulerOutput` -> input_ids, positions, `AttentionMetadata` -> logits
+    kv_cache.py           the KV cache tensor: sizing, allocation, copy-on-write
+    swap.py               swap preemption's CPU block pool and its copies (lesson 06)
+    gpu_model_runner.py   the same step built for a GPU: ordered, packed, padded; CUDA graphs
+    cuda_graphs.py        decode steps recorded once per batch size and replayed
+    async_scheduling.py   plan step t+1 while the GPU runs step t (the whole protocol)
 """
+from __future__ import annotations
+
+
+def make_model_runner(config, model, kv_cache, backend):
+    """The runner a resolved `EngineConfig` asks for, chosen once: the readable `ModelRunner`
+    on the CPU, `GPUModelRunner` on CUDA and wherever async scheduling gathers input tokens on
+    the device."""
+    if not (config.is_cuda or config.async_scheduling):
+        from minipaged.worker.model_runner import ModelRunner
+        return ModelRunner(model, kv_cache, backend, config.block_size)
+    from minipaged.worker.gpu_model_runner import GPUModelRunner
+    return GPUModelRunner(model, kv_cache, backend, config.block_size,
+                          max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                          cuda_graphs=config.use_cuda_graphs)

@@ -9,8 +9,7 @@ s % block_size). On CUDA with the Triton backend the same logical tensor is stor
 `[num_blocks, num_kv_heads, block_size, head_dim]` in memory and transposed back in the view:
 every kernel follows strides, and a decode program, which reads one KV head of a sequence, then
 reads each block as one contiguous run (16 x 128 bf16 = 4 KB) instead of 16 runs of 256 bytes;
-on the H200 that reads 1-2% faster (benchmarks/attention_workload.py --head-major). Code that
-needs flat slots (`torch_ref`) keeps the plain layout. Lesson 00 derives the size formula
+Code that needs flat slots (`torch_ref`) keeps the plain layout. Lesson 00 derives the size formula
 
     bytes per token = 2 x num_layers x num_kv_heads x head_dim x bytes_per_element
 
@@ -21,8 +20,8 @@ CUDA what is left of `gpu_memory_utilization x total memory` after weights and a
 pass at `max_num_batched_tokens`, else on CPU enough for `max_num_seqs` full-length sequences,
 capped at 4 GiB.
 
-With `preemption_mode="swap"` a second tensor of the same layout in CPU memory (pinned on CUDA)
-holds the blocks of swapped-out sequences (lesson 06): `swap_out_blocks` / `swap_in_blocks`.
+With `preemption_mode="swap"` a second tensor in CPU memory holds the blocks of swapped-out
+sequences (lesson 06): `worker/swap.py`.
 """
 from __future__ import annotations
 
@@ -32,6 +31,7 @@ import torch
 
 from minipaged.config import GiB, EngineConfig, kv_cache_too_small_error
 from minipaged.models.config import ModelConfig
+from minipaged.utils import to_device
 
 CPU_DEFAULT_CAP = 4 * GiB
 
@@ -61,16 +61,6 @@ def raw(t: torch.Tensor) -> torch.Tensor:
     """The same memory as bytes when the dtype is float8, whose indexing ops torch lacks; block
     copies and slot writes move bytes, so they go through this view."""
     return t.view(torch.uint8) if is_fp8(t.dtype) else t
-
-
-def to_device(values, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Small host data (a list or numpy array) as a tensor on `device`, copied without making the
-    host wait for the GPU: `torch.tensor(values, device="cuda")`, or a copy from ordinary pageable
-    memory, can wait for every kernel already queued; a copy from pinned memory does not."""
-    t = torch.as_tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def block_bytes(model_cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -133,71 +123,3 @@ def copy_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
     dst = to_device([d for _, d in copies], kv_cache.device)
     kv_cache = raw(kv_cache)
     kv_cache[:, :, dst] = kv_cache[:, :, src]
-
-
-# --- swap preemption (lesson 06) ------------------------------------------------------------
-def determine_num_cpu_blocks(cfg: EngineConfig, per_block_bytes: int, num_gpu_blocks: int) -> int:
-    """CPU pool size for `preemption_mode="swap"`: `num_cpu_blocks`, else `swap_space` GiB,
-    else as many blocks as the KV cache (every preempted block then fits). 0 without swap."""
-    if cfg.preemption_mode != "swap":
-        return 0
-    if cfg.num_cpu_blocks is not None:
-        return cfg.num_cpu_blocks
-    if cfg.swap_space is not None:
-        return int(cfg.swap_space * GiB) // per_block_bytes
-    return num_gpu_blocks
-
-
-def allocate_cpu_cache(kv_cache: torch.Tensor, num_cpu_blocks: int) -> Optional[torch.Tensor]:
-    """The CPU block pool, block-major: (num_cpu_blocks, num_layers, 2, block_size, kv_heads,
-    head_dim), so that a run of CPU blocks is one contiguous piece of memory (one transfer). Pinned
-    (page-locked) when the cache is on a GPU, so that copies to and from it are asynchronous DMA."""
-    if num_cpu_blocks <= 0:
-        return None
-    shape = (num_cpu_blocks,) + kv_cache.shape[:2] + kv_cache.shape[3:]
-    return torch.empty(shape, dtype=kv_cache.dtype, device="cpu",
-                       pin_memory=kv_cache.device.type == "cuda")
-
-
-def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
-    """(position in `ids`, first id, length) of each run of consecutive ids."""
-    runs: list[tuple[int, int, int]] = []
-    for i, b in enumerate(ids):
-        if runs and runs[-1][1] + runs[-1][2] == b:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((i, b, 1))
-    return runs
-
-
-def swap_out_blocks(kv_cache: torch.Tensor, cpu_cache: torch.Tensor,
-                    mapping: list[tuple[int, int]]) -> None:
-    """Copy GPU blocks to CPU blocks, (gpu, cpu) pairs, every layer, K and V.
-
-    One indexing kernel gathers the blocks into a contiguous block-major buffer on the device;
-    each run of consecutive CPU block ids is then one transfer (the CPU allocator hands blocks
-    out in order, so usually there is one run). A swap is a few large copies whatever the block
-    size. vLLM v0 issued one cudaMemcpyAsync per block, layer and K/V instead, which is why the
-    paper found small blocks slow to swap (`benchmarks/preemption.py --micro` times both).
-    """
-    if not mapping:
-        return
-    mapping = sorted(mapping, key=lambda m: m[1])
-    idx = to_device([g for g, _ in mapping], kv_cache.device, torch.long)
-    staged = raw(kv_cache)[:, :, idx].movedim(2, 0).contiguous()  # (n, layers, 2, block, heads, dim)
-    for i, c, r in _runs([c for _, c in mapping]):
-        raw(cpu_cache)[c:c + r].copy_(staged[i:i + r], non_blocking=True)
-
-
-def swap_in_blocks(cpu_cache: torch.Tensor, kv_cache: torch.Tensor,
-                   mapping: list[tuple[int, int]]) -> None:
-    """Copy CPU blocks back into GPU blocks, (cpu, gpu) pairs: `swap_out_blocks` reversed."""
-    if not mapping:
-        return
-    mapping = sorted(mapping)
-    staged = torch.empty((len(mapping),) + cpu_cache.shape[1:], dtype=raw(kv_cache).dtype,
-                         device=kv_cache.device)
-    for i, c, r in _runs([c for c, _ in mapping]):
-        staged[i:i + r].copy_(raw(cpu_cache)[c:c + r], non_blocking=True)
-    idx = to_device([g for _, g in mapping], kv_cache.device, torch.long)
-    raw(kv_cache)[:, :, idx] = staged.movedim(0, 2)

@@ -1,0 +1,184 @@
+"""The model runner's GPU variant: the same step tensors, built for the GPU (lesson 08).
+
+`GPUModelRunner` computes exactly what `ModelRunner.prepare_inputs` computes (lesson 03), with
+four differences that only matter on a GPU:
+
+* order: decodes first, then prefills, each longest context first. The attention kernel's
+  programs start in this order and the GPU hands them out as SMs free up, so a long context
+  never finishes the step alone; the Triton backend attends to decodes and prefills in two
+  launches, each with its own tile shape. The sampled rows are gathered back to step order.
+* packing: the int32 inputs share one host buffer and the int64 inputs another, so a step makes
+  two host-to-device copies, not seven. Each part starts at a multiple of 32 elements: Triton
+  compiles a kernel variant per pointer alignment it sees.
+* padding: block-table rows are padded to a multiple of `BLOCK_TABLE_WIDTH_MULTIPLE` entries
+  (the row stride is a kernel argument; its divisibility picks the variant too).
+* async scheduling (worker/async_scheduling.py): a decode whose input token is still on the GPU
+  (sampled by the previous step, not yet read by the host) takes it from that step's token
+  tensor, gathered on the device.
+
+Decode steps replay CUDA graphs (cuda_graphs.py) when the config asks for them. This file also
+holds the engine's two CUDA-only set-up helpers: the activation profile that sizes the KV cache,
+and the garbage-collector freeze.
+"""
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import torch
+
+from minipaged.attention import AttentionBackend, AttentionMetadata
+from minipaged.attention.metadata import BLOCK_TABLE_WIDTH_MULTIPLE
+from minipaged.engine.scheduler import SchedulerOutput
+from minipaged.utils import cdiv, to_device
+from minipaged.worker.kv_cache import copy_blocks
+from minipaged.worker.model_runner import ModelRunner
+
+_ALIGN = 32  # elements; parts of a packed buffer start at multiples of this
+
+
+def _pack(dtype, *sizes: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """A zeroed host buffer for parts of the given sizes, each starting aligned; returns the
+    buffer and each part's (start, size)."""
+    spans, total = [], 0
+    for n in sizes:
+        spans.append((total, n))
+        total += cdiv(n, _ALIGN) * _ALIGN
+    return np.zeros(max(total, 1), dtype=dtype), spans
+
+
+class GPUModelRunner(ModelRunner):
+    def __init__(self, model, kv_cache: torch.Tensor, backend: AttentionBackend, block_size: int,
+                 *, max_num_seqs: int, max_model_len: int, cuda_graphs: bool):
+        super().__init__(model, kv_cache, backend, block_size)
+        self.graph_runner = None
+        if cuda_graphs:
+            from minipaged.worker.cuda_graphs import CUDAGraphRunner
+            self.graph_runner = CUDAGraphRunner(model, kv_cache, backend, max_num_seqs=max_num_seqs,
+                                                max_model_len=max_model_len,
+                                                block_size=block_size, device=self.device)
+            self.graph_runner.capture()
+
+    def prepare_inputs(self, sched: SchedulerOutput, pending=None):
+        """`ModelRunner.prepare_inputs`, ordered, packed and padded for the GPU. `pending`
+        (async_scheduling.PendingStep): the previous step's tokens, not read by the host yet."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_row: dict[int, int] = {}  # id(entry) -> row of its last token
+        from_gpu: list[int] = []  # input_ids index <- ...
+        gpu_rows: list[int] = []  # ... row of pending.tokens
+        entries = sorted(sched.scheduled, key=lambda s: (s.num_new_tokens != 1,
+                                                         -(s.seq.num_computed_tokens + s.num_new_tokens)))
+        for s in entries:
+            seq, n, table = s.seq, s.num_new_tokens, s.block_table
+            start = seq.num_computed_tokens
+            if start >= seq.num_tokens:  # its input token is still on the GPU
+                if n != 1 or pending is None or seq.seq_id not in pending.row_of:
+                    raise RuntimeError(f"{seq!r}: input token not sampled by the previous step")
+                from_gpu.append(len(input_ids))
+                gpu_rows.append(pending.row_of[seq.seq_id])
+                input_ids.append(0)  # overwritten on the device below
+                positions.append(start)
+                slot_mapping.append(table[start // bs] * bs + start % bs)
+            elif n == 1:  # decode: the common case, kept cheap
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slot_mapping.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids += seq.token_ids[start:start + n]
+                pos = range(start, start + n)
+                positions += pos
+                slot_mapping += [table[p // bs] * bs + p % bs for p in pos]
+            query_lens.append(n)
+            context_lens.append(start + n)
+            tables.append(table)
+            if s.samples:
+                sample_row[id(s)] = len(input_ids) - 1
+        num_seqs = len(tables)
+        m = BLOCK_TABLE_WIDTH_MULTIPLE
+        width = cdiv(max(map(len, tables)), m) * m
+        i32, spans32 = _pack(np.int32, num_seqs * width, num_seqs, num_seqs + 1)
+        bt, ctx, cu = (i32[a:a + n] for a, n in spans32)
+        bt = bt.reshape(num_seqs, width)  # block tables, padded with 0
+        for i, table in enumerate(tables):
+            bt[i, :len(table)] = table
+        ctx[:] = context_lens
+        np.cumsum(query_lens, out=cu[1:])  # cu_seqlens_q, cu[0] = 0
+        values = (input_ids, positions, slot_mapping, from_gpu, gpu_rows)
+        i64, spans64 = _pack(np.int64, *map(len, values))
+        for (a, n), v in zip(spans64, values):
+            i64[a:a + n] = v
+        i32_dev, i64_dev = to_device(i32, self.device), to_device(i64, self.device)
+        bt_dev, ctx_dev, cu_dev = (i32_dev[a:a + n] for a, n in spans32)
+        ids, pos_dev, slots_dev, dst, src = (i64_dev[a:a + n] for a, n in spans64)
+        metadata = AttentionMetadata(
+            slot_mapping=slots_dev, block_tables=bt_dev.view(num_seqs, width),
+            context_lens=ctx_dev, cu_seqlens_q=cu_dev, query_lens=query_lens,
+            context_lens_host=context_lens, max_query_len=max(query_lens),
+            max_context_len=max(context_lens), block_size=bs,
+            num_decode_tokens=query_lens.count(1))
+        sample_rows = [sample_row[id(s)] for s in sched.scheduled if s.samples]
+        if from_gpu:  # (num_tokens,): the in-flight tokens' values, gathered on the device
+            ids = ids.index_copy(0, dst, pending.tokens[src])
+        return ids, pos_dev, metadata, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, pending=None) -> torch.Tensor:
+        """Queue one step; returns logits (num_sampling_seqs, vocab) without waiting for them."""
+        copy_blocks(self.kv_cache, sched.blocks_to_copy)
+        input_ids, positions, metadata, sample_rows = self.prepare_inputs(sched, pending)
+        graphs = self.graph_runner
+        if graphs is not None and metadata.max_query_len == 1 and graphs.can_run(metadata.num_seqs):
+            hidden = graphs.run(input_ids, positions, metadata)  # decode step: replay a graph
+        else:
+            hidden = self.forward(input_ids, positions, metadata)
+        return self.compute_logits(hidden, sample_rows)
+
+
+def profile_peak_memory(model, backend, model_config, config, kv_dtype, device) -> int:
+    """Peak activation bytes of one forward at max_num_batched_tokens (no KV cache yet): what
+    `kv_cache.determine_num_blocks` keeps free on a GPU."""
+    n = config.max_num_batched_tokens
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    bs = config.block_size
+    blocks = cdiv(n, bs)
+    cfg = model_config
+    kv = torch.zeros((cfg.num_hidden_layers, 2, blocks, bs, cfg.num_key_value_heads, cfg.head_dim),
+                     dtype=kv_dtype, device=device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n, device=device),
+        block_tables=torch.arange(blocks, device=device, dtype=torch.int32)[None],
+        context_lens=torch.tensor([n], dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device), query_lens=[n],
+        context_lens_host=[n], max_query_len=n, max_context_len=n, block_size=bs)
+    with torch.inference_mode():
+        backend.prepare(meta)
+        hidden = model(torch.zeros(n, dtype=torch.long, device=device),
+                       torch.arange(n, device=device) % config.max_model_len, kv, meta)
+        model.compute_logits(hidden[-min(n, config.max_num_seqs):])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before - kv.numel() * kv.element_size()
+    del kv, hidden
+    torch.cuda.empty_cache()
+    return peak
+
+
+def freeze_gc_heap() -> None:
+    """Collect once, then leave every object alive now out of all later garbage collections.
+
+    Python's cycle collector now and then runs a full (generation 2) pass that walks every
+    object the process holds: torch, Triton, transformers and the model add up to about half a
+    million, and the GPU idles while the host walks them (async scheduling keeps one step
+    queued). What exists once the engine is built lives as long as the engine, so walking it
+    again finds nothing; vLLM freezes its heap after start-up for the same reason. Frozen
+    objects are still freed by reference counting; only garbage *cycles* among them would stay,
+    and a dropped engine leaves none (tests/test_engine.py checks it).
+    """
+    gc.collect()
+    gc.freeze()
