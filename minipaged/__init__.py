@@ -1,7 +1,9 @@
 """minipaged: a small, readable vLLM-style serving engine.
 
-Read it top-down: llm.py -> engine.py -> scheduler.py -> block_manager.py -> model_runner.py ->
-models/llama.py -> attention/ -> sampling.py. The lessons in notebooks/ walk through each file.
+Read it top-down, one request's path: llm.py -> engine/llm_engine.py -> engine/scheduler.py ->
+engine/block_manager.py -> worker/model_runner.py -> models/llama.py (+ layers.py) -> attention/
+-> sampling/ -> engine/output.py. The lessons in notebooks/ walk through each file; every GPU fast
+path is chosen once, in config.py's `EngineConfig.resolve`, and lives outside this path.
 """
 from minipaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from minipaged.config import EngineConfig

@@ -67,6 +67,9 @@ class EngineConfig:
               "RoPE + K/V store (models/fused_layers.py); default: on for CUDA with the triton "
               "backend. On the CPU they need TRITON_INTERPRET=1 set before minipaged is "
               "imported (slow, for tests)")
+    max_trace_len: Optional[int] = _knob(
+        None, "keep only the newest N StepRecords in engine.trace (`serve` keeps 10000: a "
+              "server runs for days); default: every step")
     record_block_tables: bool = _knob(
         False, "snapshot every block table into the trace (lessons' plots)")
     enforce_eager: bool = _knob(False, "never replay decode steps from CUDA graphs")
@@ -100,6 +103,8 @@ class EngineConfig:
                              f"{ATTENTION_BACKENDS}")
         if self.swap_space is not None and self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.max_trace_len is not None and self.max_trace_len < 0:
+            raise ValueError(f"max_trace_len must be >= 0, got {self.max_trace_len}")
         if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
 

@@ -418,7 +418,7 @@ def test_sampling_params_edge_values_are_accepted_and_normalized():
     assert not SamplingParams().has_penalties and not SamplingParams().greedy
 
 
-# --- the Triton sampling kernels (sampling_kernels.py; the CUDA default, here interpreted) ----
+# --- the Triton sampling kernels (sampling/kernels.py; the CUDA default, here interpreted) ----
 @IGNORE_INTERPRETER_WARNINGS
 def test_kernel_temperature_sampling_matches_softmax():
     """The interpreter is slow (a few ms per row), so few draws here; tests/test_gpu.py repeats

@@ -10,7 +10,7 @@ import pytest
 
 from minipaged import LLM, RequestError, SamplingParams
 from minipaged.engine.sequence import SequenceStatus
-from minipaged.engine.trace import tokens_in_cache
+from minipaged.lessons.timeline import tokens_in_cache
 
 PROMPT = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376]  # 10 tokens: 2 full blocks of 4 + 2
 

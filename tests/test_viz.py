@@ -10,8 +10,9 @@ from minipaged.lessons import viz  # noqa: E402
 from minipaged.engine.block_manager import BlockManager  # noqa: E402
 from minipaged.sampling import SamplingParams  # noqa: E402
 from minipaged.engine.sequence import Sequence  # noqa: E402
-from minipaged.engine.trace import (RequestState as S, ScheduledEntry, StepRecord,  # noqa: E402
-                             request_timeline, tokens_in_cache)
+from minipaged.engine.trace import ScheduledEntry, StepRecord  # noqa: E402
+from minipaged.lessons.timeline import (RequestState as S, request_timeline,  # noqa: E402
+                                        tokens_in_cache)
 
 W, P, D, X, R, I, A, PAD = S.WAITING, S.PREFILL, S.DECODE, S.PREEMPTED, S.REQUEUED, S.STALLED, \
     S.ABSENT, S.PADDING

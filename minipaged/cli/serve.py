@@ -15,6 +15,7 @@ port in the firewall, and set an --api-key: anyone who can reach the port can us
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -111,6 +112,8 @@ def build_app_from_args(a: argparse.Namespace):
     template = load_chat_template(a.chat_template)
     names = a.served_model_name or [a.model]
     config = engine_config_from_args(a)
+    if config.max_trace_len is None:  # a server runs for days: keep the newest steps only
+        config = dataclasses.replace(config, max_trace_len=10_000)
     engine = LLMEngine(config)
     async_engine = AsyncLLMEngine(engine, Metrics(names[0]))
     root = str(engine.source.path) if engine.source.path is not None else a.model

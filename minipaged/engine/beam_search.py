@@ -42,7 +42,7 @@ Where it differs, on purpose:
   placeholder beams scored -1e9; we keep fewer beams.
 * `temperature` must be 0: this is deterministic beam search (HF's `do_sample=False`).
 
-In the engine (`engine.py`) the beams of one request form a `SequenceGroup`. A beam's logits wait
+In the engine (`llm_engine.py`, `groups.py`) the beams of one request form a `SequenceGroup`. A beam's logits wait
 in `BeamSearchState.logits` until all live beams of the group have theirs (the scheduler may have
 run only some of them this step); then `step()` decides, and the engine applies the decision to
 the KV cache: a parent chosen by `m` candidates is forked `m - 1` times (`BlockManager.fork`: the

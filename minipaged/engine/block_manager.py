@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from minipaged.engine.sequence import Sequence
+from minipaged.engine.trace import BlockUsage
 
 
 @dataclass
@@ -119,29 +120,6 @@ class BlockAllocator:
 def hash_block(parent_hash: Optional[int], token_ids: tuple[int, ...]) -> int:
     """Prefix-aware block hash: equal hashes mean equal token prefixes up to this block."""
     return hash((parent_hash, token_ids))
-
-
-@dataclass
-class BlockUsage:
-    """A snapshot of the cache for the lessons' plots (lesson 01)."""
-
-    num_blocks: int
-    block_size: int
-    num_used_blocks: int  # ref_count > 0
-    num_cached_blocks: int  # ref_count == 0 but holding a reusable prefix
-    num_free_blocks: int  # ref_count == 0 and empty (cached blocks not included)
-    num_tokens_stored: int  # token slots in used blocks that hold a token (shared blocks once)
-    num_slots_allocated: int  # num_used_blocks * block_size
-
-    @property
-    def internal_fragmentation(self) -> int:
-        """Slots in used blocks that hold no token (the tail of each sequence's last block)."""
-        return self.num_slots_allocated - self.num_tokens_stored
-
-    @property
-    def token_state_share(self) -> float:
-        """Share of allocated KV slots that hold a token's state (vLLM paper, Fig. 2)."""
-        return self.num_tokens_stored / self.num_slots_allocated if self.num_slots_allocated else 1.0
 
 
 def _move(table: list[int], src: BlockAllocator, dst: BlockAllocator,

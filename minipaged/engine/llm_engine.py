@@ -23,6 +23,7 @@ step t. `LLM` (llm.py) loops `step()` for offline batches; the server loops it i
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Iterable, Optional
 
 import torch
@@ -90,7 +91,9 @@ class LLMEngine:
                                use_kernel=config.sampler_kernel)
         self.requests: dict[str, Sequence] = {}  # unfinished requests: their first sequence
         self.groups: dict[str, SequenceGroup] = {}  # ... those with n > 1 or a beam search
-        self.trace: list[StepRecord] = []
+        # One StepRecord per step; a bounded deque where the config caps it (a server).
+        self.trace: list[StepRecord] | deque[StepRecord] = (
+            [] if config.max_trace_len is None else deque(maxlen=config.max_trace_len))
         self._prefix_stats = (0, 0)  # block manager's (queries, hits) at the last StepRecord
         self._wait_time = 0.0  # this step's wait for the GPU's tokens (StepRecord.wait_time)
         self.stream_outputs = False  # True: step() also reports unfinished requests, with text

@@ -31,7 +31,7 @@ in registers: a separate fp32 copy of them would cost more than both kernels.
 
 The sampler uses these only when every row is greedy or unseeded with no top-k/top-p/min-p
 (tokens banned by min_tokens are -inf logits, which never win); everything else takes the torch
-path of `sampling.py`.
+path of `sampler.py`.
 """
 from __future__ import annotations
 

@@ -114,12 +114,9 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, metrics: Optional[Metrics] = None,
-                 trace_len: int = 10_000):
+    def __init__(self, engine: LLMEngine, metrics: Optional[Metrics] = None):
         self.engine = engine
         engine.stream_outputs = True
-        # The engine appends a StepRecord per step; a server runs for days, so keep the last few.
-        engine.trace = collections.deque(engine.trace, maxlen=trace_len)
         self.metrics = metrics
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()

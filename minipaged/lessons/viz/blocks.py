@@ -16,7 +16,8 @@ from typing import Mapping, Optional, Sequence
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch, Rectangle
 
-from minipaged.engine.trace import StepRecord, tokens_in_cache
+from minipaged.engine.trace import StepRecord
+from minipaged.lessons.timeline import tokens_in_cache
 from minipaged.lessons.viz.common import CACHED_COLOR, FREE_COLOR, SHARED_COLOR, owner_color
 
 

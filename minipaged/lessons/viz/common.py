@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from minipaged.engine.trace import RequestState
+from minipaged.lessons.timeline import RequestState
 
 # --- colours ----------------------------------------------------------------------------------
 OWNER_COLORS = plt.get_cmap("tab20").colors[::2] + plt.get_cmap("tab20").colors[1::2]

@@ -17,7 +17,8 @@ import matplotlib.ticker
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
-from minipaged.engine.trace import RequestState, StepRecord, request_timeline, trace_request_ids
+from minipaged.engine.trace import StepRecord
+from minipaged.lessons.timeline import RequestState, request_timeline, trace_request_ids
 from minipaged.lessons.viz.blocks import plot_block_tables
 from minipaged.lessons.viz.common import (CACHED_COLOR, CATEGORY_COLORS, STATE_COLORS,
                                           STATE_LABELS, _figure, _show, _widgets)

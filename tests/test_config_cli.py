@@ -1,0 +1,89 @@
+"""One declaration of the engine's knobs: `EngineConfig` (config.py) is every `LLM(...)` keyword
+and every engine flag of `minipaged generate | bench | serve` (cli/args.py), and
+`EngineConfig.resolve` decides each "auto" once."""
+import argparse
+import re
+
+import pytest
+
+from minipaged import EngineConfig
+from minipaged.cli.args import add_engine_args, engine_config_from_args, flag_names
+from minipaged.cli.commands import main
+from minipaged.config import engine_fields
+from minipaged.models.config import ModelConfig
+from minipaged.models.loader import resolve_model
+
+
+def _help(cmd: str, capsys) -> str:
+    with pytest.raises(SystemExit):
+        main([cmd, "--help"])
+    return capsys.readouterr().out
+
+
+def _engine_flags(text: str) -> set[str]:
+    section = text.split("engine (EngineConfig):", 1)[1]
+    section = re.split(r"\n\S", section, maxsplit=1)[0]  # up to the next group
+    return set(re.findall(r"--[a-z][a-z0-9_-]*", section))
+
+
+def test_generate_bench_and_serve_list_the_same_engine_flags(capsys):
+    flags = {cmd: _engine_flags(_help(cmd, capsys)) for cmd in ("generate", "bench", "serve")}
+    assert flags["generate"] == flags["bench"] == flags["serve"]
+    for f in engine_fields():  # every field is a flag, in both spellings
+        assert set(flag_names(f.name)) <= flags["serve"], f.name
+    for name in ("--kv-cache-dtype", "--no-async-scheduling", "--no-fused-ops",
+                 "--no-enable-prefix-caching", "--preemption-mode", "--swap-space"):
+        assert name in flags["serve"]
+
+
+def test_flags_become_the_config_they_name():
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    cfg = engine_config_from_args(p.parse_args(
+        ["dummy:qwen3-0.6b", "--max_model_len", "64", "--no-async-scheduling",
+         "--kv-cache-dtype", "fp8", "--no-enable-prefix-caching", "--fused-ops"]))
+    assert cfg.model == "dummy:qwen3-0.6b" and cfg.max_model_len == 64
+    assert cfg.async_scheduling is False and cfg.fused_ops is True
+    assert cfg.kv_cache_dtype == "fp8" and cfg.enable_prefix_caching is False
+    defaults = engine_config_from_args(p.parse_args([]))
+    assert defaults == EngineConfig()  # no flag given: the dataclass's own defaults
+    with pytest.raises(SystemExit):
+        p.parse_args(["--kv-cache-dtype", "int4"])  # choices come from the field
+
+
+def test_resolve_decides_every_auto_once_on_the_cpu():
+    mc = ModelConfig.from_dict(resolve_model("stories260K").config)
+    auto = EngineConfig(device="cpu")
+    cfg = auto.resolve(mc)
+    assert auto.max_model_len is None and auto.attention_backend is None  # the input is untouched
+    assert cfg.device == "cpu" and cfg.dtype == "float32"
+    assert cfg.attention_backend == "torch_ref" and cfg.fused_ops is False
+    assert cfg.async_scheduling is False and cfg.max_model_len == mc.max_position_embeddings
+    assert cfg.max_num_batched_tokens == 2048
+    assert not (cfg.use_cuda_graphs or cfg.kv_head_major or cfg.gpu_tuned_inputs or cfg.sampler_kernel)
+    assert cfg.resolve(mc) == cfg  # resolving again changes nothing
+    forced = EngineConfig(device="cpu", async_scheduling=True, dtype="bfloat16").resolve(mc)
+    assert forced.async_scheduling is True and forced.dtype == "bfloat16"
+
+
+def test_resolve_rejects_cuda_without_a_gpu_and_bad_values():
+    import torch
+    mc = ModelConfig.from_dict(resolve_model("stories260K").config)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="sees no CUDA GPU"):
+            EngineConfig(device="cuda").resolve(mc)
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig(attention_backend="flash").resolve(mc)
+    with pytest.raises(ValueError, match="max_position_embeddings=512"):
+        EngineConfig(device="cpu", max_model_len=4096).resolve(mc)
+
+
+def test_max_trace_len_bounds_the_trace():
+    from minipaged import LLM, SamplingParams
+    llm = LLM("stories260K", device="cpu", num_blocks=64, max_trace_len=5)
+    llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    assert len(llm.engine.trace) == 5 and llm.engine.trace[-1].step >= 19  # the newest steps
+    unbounded = LLM("stories260K", device="cpu", num_blocks=64)
+    unbounded.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=20),
+                       use_tqdm=False)
+    assert len(unbounded.engine.trace) >= 20
