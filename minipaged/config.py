@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Optional
 
+from minipaged.utils import cdiv
+
 GiB = 1024 ** 3
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
@@ -178,9 +180,10 @@ class EngineConfig:
 
     @property
     def gpu_tuned_inputs(self) -> bool:
-        """Steps flattened longest-first, decodes first (worker/gpu_inputs.py): CUDA only; the
+        """The worker builds its steps for a GPU (worker/gpu_model_runner.py: ordered, packed,
+        padded): on CUDA, and wherever async scheduling gathers input tokens on the device. The
         lessons print the CPU's batches in scheduler order."""
-        return self.is_cuda
+        return self.is_cuda or bool(self.async_scheduling)
 
     @property
     def sampler_kernel(self) -> bool:
@@ -196,7 +199,7 @@ def engine_fields() -> list:
 def kv_cache_too_small_error(*, max_model_len: int, bytes_per_token: int, available_bytes: int,
                              block_size: int, source: str) -> ValueError:
     """vLLM-style message: needed vs available GiB, the largest max_model_len that fits, knobs."""
-    blocks_needed = -(-max_model_len // block_size)
+    blocks_needed = cdiv(max_model_len, block_size)
     needed = blocks_needed * block_size * bytes_per_token
     fits = (available_bytes // (bytes_per_token * block_size)) * block_size
     return ValueError(

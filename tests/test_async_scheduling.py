@@ -175,3 +175,19 @@ def test_async_publishes_the_last_full_block_like_sync(blocks):
                              use_tqdm=False)[0]
         cached.append(again.num_cached_tokens)
     assert cached[1] == cached[0]
+
+
+def test_async_min_tokens_bans_by_the_true_output_count():
+    """min_tokens bans EOS / stop ids by the output count; with a token in flight the host's
+    count is one short, so those steps are read synchronously. Stop id g[k] with min_tokens=k
+    (g[k] unseen before): the ban never bites, and the request must stop right at g[k]."""
+    prompt = "Once upon a time"
+    free = _run(False, [prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    g = free[0][0]
+    k = next(i for i in range(3, len(g)) if g[i] not in g[:i])
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, min_tokens=k,
+                            stop_token_ids=[g[k]])
+    sync, _ = _run(False, [prompt], params)
+    asynchronous, _ = _run(True, [prompt], params)
+    assert sync[0][0] == g[:k + 1] and sync[0][2] == "stop"
+    assert asynchronous == sync

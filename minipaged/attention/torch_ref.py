@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from minipaged.attention.metadata import AttentionBackend, AttentionMetadata
+from minipaged.utils import cdiv
 from minipaged.worker.kv_cache import raw, to_cache_dtype
 
 
@@ -60,7 +61,7 @@ def build_group(metadata: AttentionMetadata, seq_ids: list[int]) -> _Group:
 
     k_pos = torch.arange(max_ctx, device=device)  # (max_ctx,)
     tables = metadata.block_tables[idx].long()  # (G, max_blocks)
-    n_blocks = -(-max_ctx // bs)
+    n_blocks = cdiv(max_ctx, bs)
     blocks = tables[:, :n_blocks].repeat_interleave(bs, dim=1)[:, :max_ctx]  # (G, max_ctx)
     slots = blocks * bs + (k_pos % bs)[None, :]
     mask = (k_pos[None, None, :] <= q_abs[:, :, None]) & (k_pos[None, None, :] < ctx_len[:, :, None])

@@ -10,6 +10,7 @@ accepted positionally, as in `vllm serve MODEL`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from minipaged.config import EngineConfig, engine_fields
 
@@ -66,8 +67,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConf
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The same as keyword arguments of `LLM(...)`."""
-    cfg = engine_config_from_args(args)
-    return {f.name: getattr(cfg, f.name) for f in engine_fields()}
+    return dataclasses.asdict(engine_config_from_args(args))
 
 
 __all__ = ["HelpFormatter", "add_engine_args", "engine_config_from_args", "engine_kwargs",

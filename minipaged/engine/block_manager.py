@@ -31,6 +31,7 @@ from typing import Iterable, Optional
 
 from minipaged.engine.sequence import Sequence
 from minipaged.engine.trace import BlockUsage
+from minipaged.utils import cdiv
 
 
 @dataclass
@@ -184,7 +185,7 @@ class BlockManager:
         return self.allocator.num_free_blocks
 
     def num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     @property
     def num_blocks_saved_by_sharing(self) -> int:

@@ -82,10 +82,7 @@ class LLMEngine:
         num_cpu_blocks = determine_num_cpu_blocks(config, self.block_bytes, self.num_blocks)
         self.cpu_cache = allocate_cpu_cache(self.kv_cache, num_cpu_blocks)
         self.block_manager.enable_swap(num_cpu_blocks)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                   enable_chunked_prefill=config.enable_chunked_prefill,
-                                   preemption_mode=config.preemption_mode)
+        self.scheduler = self.make_scheduler(Scheduler)
         self.model_runner = make_model_runner(config, self.model, self.kv_cache, self.backend)
         self.sampler = Sampler(seed=config.seed, eos_token_ids=self.eos_token_ids,
                                use_kernel=config.sampler_kernel)
@@ -105,6 +102,13 @@ class LLMEngine:
         if config.is_cuda:  # where a pause idles the GPU (lesson 08 measures it)
             from minipaged.worker.gpu_model_runner import freeze_gc_heap
             freeze_gc_heap()
+
+    def make_scheduler(self, cls: type[Scheduler], **extra) -> Scheduler:
+        cfg = self.config
+        return cls(self.block_manager, max_num_seqs=cfg.max_num_seqs,
+                   max_num_batched_tokens=cfg.max_num_batched_tokens,
+                   enable_chunked_prefill=cfg.enable_chunked_prefill,
+                   preemption_mode=cfg.preemption_mode, **extra)
 
     def _eos_ids(self) -> list[int]:
         ids = list(self.model_config.eos_token_id)

@@ -14,7 +14,7 @@ def make_model_runner(config, model, kv_cache, backend):
     """The runner a resolved `EngineConfig` asks for, chosen once: the readable `ModelRunner`
     on the CPU, `GPUModelRunner` on CUDA and wherever async scheduling gathers input tokens on
     the device."""
-    if not (config.is_cuda or config.async_scheduling):
+    if not config.gpu_tuned_inputs:
         from minipaged.worker.model_runner import ModelRunner
         return ModelRunner(model, kv_cache, backend, config.block_size)
     from minipaged.worker.gpu_model_runner import GPUModelRunner

@@ -97,16 +97,12 @@ class AsyncScheduling:
     """Installs itself on an engine: its scheduler counts tokens in flight, its `step` runs."""
 
     def __init__(self, engine):
-        cfg = engine.config
         # A weak reference: the engine holds this object (its `step`), so a strong one back
         # would make a reference cycle, and a dropped engine must be freed without the cycle
         # collector (the CUDA engine freezes the heap, see gpu_model_runner.freeze_gc_heap).
         self.engine = weakref.proxy(engine)
-        engine.scheduler = AsyncScheduler(
-            engine.block_manager, max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            enable_chunked_prefill=cfg.enable_chunked_prefill,
-            preemption_mode=cfg.preemption_mode, max_model_len=cfg.max_model_len)
+        engine.scheduler = engine.make_scheduler(AsyncScheduler,
+                                                 max_model_len=engine.config.max_model_len)
         self.pending: Optional[PendingStep] = None  # the step whose tokens are not read yet
         engine.step = self.step
         engine.has_unfinished_requests = self.has_unfinished_requests

@@ -18,6 +18,7 @@ import torch
 
 from minipaged.attention import AttentionMetadata
 from minipaged.attention.metadata import BLOCK_TABLE_WIDTH_MULTIPLE
+from minipaged.utils import cdiv
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -40,7 +41,7 @@ class CUDAGraphRunner:
         self.sizes = capture_sizes(max_num_seqs)
         self.max_bs = self.sizes[-1]
         m = BLOCK_TABLE_WIDTH_MULTIPLE  # the model runner pads block tables to this
-        self.max_blocks = -(-max_model_len // (m * block_size)) * m
+        self.max_blocks = cdiv(max_model_len, m * block_size) * m
         self.max_model_len = max_model_len
         dev = device
         n = self.max_bs

@@ -8,7 +8,7 @@ block-table entry addresses a contiguous slab. Slot `s` is (block s // block_siz
 s % block_size). On CUDA with the Triton backend the same logical tensor is stored head-major,
 `[num_blocks, num_kv_heads, block_size, head_dim]` in memory and transposed back in the view:
 every kernel follows strides, and a decode program, which reads one KV head of a sequence, then
-reads each block as one contiguous run (16 x 128 bf16 = 4 KB) instead of 16 runs of 256 bytes;
+reads each block as one contiguous run (16 x 128 bf16 = 4 KB) instead of 16 runs of 256 bytes.
 Code that needs flat slots (`torch_ref`) keeps the plain layout. Lesson 00 derives the size formula
 
     bytes per token = 2 x num_layers x num_kv_heads x head_dim x bytes_per_element
@@ -31,7 +31,7 @@ import torch
 
 from minipaged.config import GiB, EngineConfig, kv_cache_too_small_error
 from minipaged.models.config import ModelConfig
-from minipaged.utils import to_device
+from minipaged.utils import cdiv, to_device
 
 CPU_DEFAULT_CAP = 4 * GiB
 
@@ -92,7 +92,7 @@ def determine_num_blocks(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch
                   f"processes) and {activations / GiB:.2f} GiB peak activations")
         num_blocks = max(available, 0) // per_block
     else:
-        want = cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size)
+        want = cfg.max_num_seqs * cdiv(cfg.max_model_len, cfg.block_size)
         num_blocks = max(1, min(want, CPU_DEFAULT_CAP // per_block))
         available, source = num_blocks * per_block, "CPU default"
     if num_blocks * cfg.block_size < cfg.max_model_len:
