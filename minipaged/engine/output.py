@@ -28,7 +28,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: Optional[float]
     logprobs: Optional[list[dict[int, Logprob]]]
-    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error" | None: running
     stop_reason: Optional[int | str] = None  # the stop string or stop token that ended it
 
     def finished(self) -> bool:
@@ -44,6 +44,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict = field(default_factory=dict)  # arrival / first token / finished times
+    error: Optional[str] = None  # set when the request ended with finish_reason "error"
 
 
 def detokenize(tokenizer, prompt_ids: list[int], output_ids: list[int], skip_special: bool) -> str:
@@ -140,6 +141,7 @@ class OutputProcessor:
         return RequestOutput(
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
             outputs=outputs, finished=finished, num_cached_tokens=seq.num_cached_tokens,
+            error=seq.error,
             metrics={"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time,
                      "finished_time": seq.finished_time, "num_preemptions": seq.num_preemptions,
                      # prefix cache: the share of the prompt it served, in tokens and blocks

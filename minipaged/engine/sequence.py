@@ -38,6 +38,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
     FINISHED_LENGTH = "length"  # max_tokens reached, or max_model_len
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # something raised while this request was stepped; it ended alone
 
     @property
     def is_finished(self) -> bool:
@@ -45,7 +46,7 @@ class SequenceStatus(enum.Enum):
 
 
 _FINISHED = frozenset({SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
-                       SequenceStatus.FINISHED_ABORTED})
+                       SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_ERROR})
 _seq_counter = itertools.count()
 
 
@@ -72,6 +73,7 @@ class Sequence:
     detok_prefix_offset: int = -1
     detok_read_offset: int = -1
     stop_reason: Optional[int | str] = None
+    error: Optional[str] = None  # FINISHED_ERROR: what went wrong, for the request's caller
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     first_token_time: Optional[float] = None
