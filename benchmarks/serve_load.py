@@ -1,11 +1,15 @@
 """Load test for `minipaged serve` (lesson 07): requests/s, tokens/s, TTFT and ITL percentiles at
-several concurrency levels, through the OpenAI completions endpoint with streaming.
+several concurrency levels, through the OpenAI completions endpoint with streaming, beside the
+offline engine on the same workload in the same run.
 
     python benchmarks/serve_load.py                        # stories260K on this machine's CPU
     python benchmarks/serve_load.py --model dummy:qwen3-0.6b --workload nanovllm \\
-        --concurrency 1,16,64,256                          # the GPU run (dummy weights)
+        --concurrency 1,64,256 --offline --server-args "--block-size 128"
+                                                           # the GPU run (dummy weights)
     python benchmarks/serve_load.py --base-url http://127.0.0.1:8000 --model NAME --vocab-size N
                                                            # a server that is already running
+    python benchmarks/serve_load.py --workload cpu --num-requests 16 --concurrency 1,8 \\
+        --clients 2 --offline --torch-threads 1 --server-args "--device cpu"   # a quick check
 
 Without --base-url the script starts `minipaged serve MODEL` itself on a free port (extra server
 flags go in --server-args "...") and stops it at the end. Prompts are token ids (the completions
@@ -20,21 +24,62 @@ request when the previous one finished (a closed loop, like vLLM's `--max-concur
 * requests/s and output tokens/s  over the level's wall time
 * TTFT  time to first token: request sent -> first streamed token
 * ITL   inter-token latency: gaps between consecutive streamed tokens of one request
+        (`itl_mean_ms` in the JSON: each request's mean gap, the offline engine's definition)
 * preemptions and the peak of running / waiting requests, from the server's /metrics
+
+The load generator must not be what it measures. Parsing a server-sent-events stream costs the
+client about as much CPU per token as the server spends sending it, and one asyncio process
+driving 256 streams was seen at 84% of a core on an H200, close to being the bottleneck. So the C
+workers run in K client *processes* (`--clients`, default ceil(C / 64): at most ~64 streams each),
+each with its own event loop and httpx client. Request i goes to client i % K, and each client's
+workers take its requests in order (so every request is sent exactly once and the split does not
+depend on timing); client k runs C // K workers, one more if k < C % K. The clients connect first,
+then start together on one Event; a level lasts from that start to the last client's end (both
+on the clock every process shares, CLOCK_MONOTONIC on Linux). Each client reports its own CPU time
+over that span: `client_cpu_percent_max` is the busiest client's CPU / wall time, and a warning
+says when one passes 70% of a core (raise --clients).
+
+`--offline` runs the same workload through the offline engine first, in a subprocess with the
+engine flags that --server-args gives the server (parsed by minipaged's own flag declaration,
+`minipaged.cli.args`; server-only flags are listed and ignored): once all at once exactly as
+`minipaged bench` does (`lessons.bench.run_minipaged`: output tok/s, TTFT and per-request ITL
+from `RequestOutput.metrics`), and once one request at a time on the first --single-requests
+prompts (TTFT and ITL of a lone request). The table then gives serve / offline ratios: tok/s and
+ITL p99 for every level, TTFT p50 and ITL p50 against the lone request at concurrency 1.
+Concurrency-1 levels send the same first --single-requests prompts.
+
+The offline ITL is per request ((finished - first token) / (tokens - 1)); the served ITL is per
+gap, whose p99 also catches single slow steps that a per-request mean smooths out. The ratio is
+given both ways: per-gap p99 / offline p99 (the bar as stated), and per-request p99 / offline p99
+(the same statistic on both sides).
+
+Prefix caching would let a level reuse the KV blocks of the same prompts sent by an earlier level
+(or by the warm-up), which the offline run never can. So every run (offline batch, offline lone
+requests, warm-up, each level) changes one token near the start of each prompt by its own salt
+(the second token: BOS stays): lengths and costs are those of the workload, and no run finds
+another's blocks. Server salts start at a random base per invocation, so a long-running server
+(--base-url) does not hit the blocks of a previous invocation either.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
+import math
+import multiprocessing as mp
 import os
 import platform
+import queue
+import random
 import shlex
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -43,8 +88,15 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minipaged.lessons.bench import WORKLOADS, make_workload  # noqa: E402
-from minipaged.server.metrics import parse_metrics  # noqa: E402
+# minipaged (and torch) are imported inside the functions that need them: the client processes
+# import this file too, and a client needs httpx only.
+
+STREAMS_PER_CLIENT = 64  # --clients default: ceil(C / 64) processes
+CLIENT_CPU_WARN = 70.0  # % of one core
+# The bars the served path is judged by, against the offline engine in the same run.
+BAR_THROUGHPUT = 0.85  # serve tok/s >= 85% of offline, at the largest concurrency level
+BAR_ITL_P99 = 2.0  # serve ITL p99 <= 2x offline ITL p99, same level
+BAR_SINGLE = 1.10  # concurrency 1: TTFT p50 and ITL p50 within 10% of a lone offline request
 
 
 @dataclass
@@ -61,6 +113,7 @@ class RequestResult:
 @dataclass
 class LevelResult:
     concurrency: int
+    clients: int
     num_requests: int
     errors: int
     elapsed_sec: float
@@ -69,10 +122,29 @@ class LevelResult:
     output_tokens_per_sec: float
     ttft_ms: dict
     itl_ms: dict
+    itl_mean_ms: dict  # percentiles of each request's mean gap (the offline engine's ITL)
     tpot_ms_mean: float
     preemptions: int
     peak_running: int
     peak_waiting: int
+    client_cpu_percent: list[float]  # per client process: CPU time / wall time of the level
+    client_cpu_percent_max: float
+    vs_offline: dict = field(default_factory=dict)  # filled when --offline ran
+
+
+@dataclass
+class ClientReport:
+    """What one client process sends back: its results and its own clock and CPU time."""
+    index: int
+    results: list  # [(request index, RequestResult)]
+    start: float = 0.0  # time.perf_counter() when it started sending
+    end: float = 0.0
+    cpu_sec: float = 0.0  # time.process_time() over [start, end]
+    error: str = ""
+
+    @property
+    def cpu_percent(self) -> float:
+        return 100.0 * self.cpu_sec / (self.end - self.start) if self.end > self.start else 0.0
 
 
 def percentiles(xs: list[float]) -> dict:
@@ -85,18 +157,59 @@ def percentiles(xs: list[float]) -> dict:
     return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
 
 
+# --- the workload ----------------------------------------------------------------------------
+def salted(prompts: list[list[int]], salt: int, vocab_size: int) -> list[list[int]]:
+    """Copies of `prompts` whose second token (the first of a one-token prompt) is shifted by
+    `salt` inside [3, vocab) (below 3: <unk>, <s>, </s> of small vocabularies), so that prefix
+    caching shares no block between runs with different salts. `salt` 0 returns the prompts."""
+    if salt == 0:
+        return prompts
+    low = 3 if vocab_size > 3 else 0
+    out = []
+    for p in prompts:
+        p = list(p)
+        j = min(1, len(p) - 1)
+        p[j] = low + (p[j] - low + salt) % (vocab_size - low)
+        out.append(p)
+    return out
+
+
+def digest(prompts: list[list[int]], max_tokens: list[int]) -> str:
+    """A fingerprint of a workload, to check the server and the offline run got the same one."""
+    return hashlib.sha1(json.dumps([prompts, max_tokens]).encode()).hexdigest()[:12]
+
+
+def build_workload(a: argparse.Namespace, vocab: int, bos: Optional[int],
+                   max_model_len: Optional[int]):
+    from minipaged.lessons.bench import make_workload
+    return make_workload(a.workload, vocab, num_requests=a.num_requests, seed=a.seed,
+                         input_len=a.input_len, output_len=a.output_len, bos=bos,
+                         max_model_len=max_model_len)
+
+
+# --- the server ------------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def start_server(model: str, server_args: list[str], timeout: float) -> tuple[subprocess.Popen, str]:
+def thread_env(torch_threads: Optional[int]) -> dict:
+    """The environment of the server subprocess: OMP_NUM_THREADS=N when --torch-threads N."""
+    env = dict(os.environ)
+    if torch_threads:
+        env["OMP_NUM_THREADS"] = str(torch_threads)
+    return env
+
+
+def start_server(model: str, server_args: list[str], timeout: float,
+                 torch_threads: Optional[int] = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "minipaged.cli", "serve", model, "--port", str(port),
            "--uvicorn-log-level", "warning", *server_args]
     print("starting:", " ".join(shlex.quote(c) for c in cmd), flush=True)
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1])
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1],
+                            env=thread_env(torch_threads))
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -120,6 +233,7 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
+# --- one client process ----------------------------------------------------------------------
 async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int],
                       max_tokens: int, temperature: float) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
@@ -163,7 +277,86 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int],
     return res
 
 
+async def drive(client: httpx.AsyncClient, model: str, jobs: list[tuple[int, list[int], int]],
+                num_workers: int, temperature: float) -> list[tuple[int, RequestResult]]:
+    """The closed loop of one client: `num_workers` workers take `jobs` (index, prompt,
+    max_tokens) in order, each sending its next request when its previous one has finished."""
+    todo = deque(jobs)
+    results: list[tuple[int, RequestResult]] = []
+
+    async def worker():
+        while todo:
+            i, prompt, max_tokens = todo.popleft()
+            results.append((i, await one_request(client, model, prompt, max_tokens, temperature)))
+
+    await asyncio.gather(*(worker() for _ in range(num_workers)))
+    return results
+
+
+async def _client_main(index: int, url: str, headers: dict, model: str, jobs, num_workers: int,
+                       temperature: float, ready, start) -> ClientReport:
+    limits = httpx.Limits(max_connections=num_workers + 2, max_keepalive_connections=num_workers + 2)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=httpx.Timeout(3600.0),
+                                 limits=limits) as client:
+        ready.put(index)
+        start.wait()  # every client of the level starts on the same Event
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        results = await drive(client, model, jobs, num_workers, temperature)
+        return ClientReport(index, results, start=t0, end=time.perf_counter(),
+                            cpu_sec=time.process_time() - cpu0)
+
+
+def client_process(index: int, url: str, headers: dict, model: str, jobs, num_workers: int,
+                   temperature: float, ready, start, reports) -> None:
+    """Entry point of a client process (multiprocessing, spawn): its own event loop and client."""
+    try:
+        report = asyncio.run(_client_main(index, url, headers, model, jobs, num_workers,
+                                          temperature, ready, start))
+    except BaseException as e:  # noqa: BLE001 - the parent must hear about it, not hang
+        report = ClientReport(index, [], error=f"{type(e).__name__}: {e}")
+        ready.put(index)  # in case it failed before saying it was ready
+    reports.put(report)
+
+
+def split_load(num_requests: int, concurrency: int, clients: int) -> list[tuple[list[int], int]]:
+    """(request indices, workers) for each client: request i to client i % K, C // K workers
+    each and one more for the first C % K. K is capped at C (a client without a worker would
+    have requests and nobody to send them)."""
+    k = max(1, min(clients, concurrency))
+    return [(list(range(j, num_requests, k)), concurrency // k + (j < concurrency % k))
+            for j in range(k)]
+
+
+def default_clients(concurrency: int) -> int:
+    return max(1, math.ceil(concurrency / STREAMS_PER_CLIENT))
+
+
+def _collect(q, procs: list, n: int, what: str, timeout: float) -> list:
+    """`n` items from `q`, failing (not hanging) if a process dies without sending."""
+    items: list = []
+    deadline = time.time() + timeout
+    while len(items) < n:
+        try:
+            items.append(q.get(timeout=1.0))
+            continue
+        except queue.Empty:
+            pass
+        dead = [p for p in procs if p.exitcode is not None and p.exitcode != 0]
+        if dead or time.time() > deadline:
+            try:  # a last look: it may have sent just before it exited
+                items.append(q.get(timeout=1.0))
+                continue
+            except queue.Empty:
+                pass
+            why = (f"client process exited with code {dead[0].exitcode}" if dead
+                   else f"timed out after {timeout:.0f} s")
+            raise RuntimeError(f"waiting for {what}: {why}")
+    return items
+
+
+# --- one level -------------------------------------------------------------------------------
 async def watch_metrics(client: httpx.AsyncClient, peaks: dict, stop: asyncio.Event) -> None:
+    from minipaged.server.metrics import parse_metrics
     while not stop.is_set():
         try:
             m = parse_metrics((await client.get("/metrics")).text)
@@ -183,55 +376,218 @@ def preemptions(metrics: dict) -> float:
 
 
 async def run_level(url: str, headers: dict, model: str, prompts, max_tokens, concurrency: int,
-                    temperature: float) -> LevelResult:
-    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=httpx.Timeout(3600.0),
-                                 limits=limits) as client:
-        before = parse_metrics((await client.get("/metrics")).text)
-        todo = list(range(len(prompts)))
-        results: list[RequestResult] = []
-
-        async def worker():
-            while todo:
-                i = todo.pop(0)
-                results.append(await one_request(client, model, prompts[i], max_tokens[i],
-                                                  temperature))
-
-        peaks, stop = {"running": 0, "waiting": 0}, asyncio.Event()
-        watcher = asyncio.create_task(watch_metrics(client, peaks, stop))
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - t0
-        stop.set()
-        await watcher
-        after = parse_metrics((await client.get("/metrics")).text)
+                    clients: int, temperature: float, start_timeout: float = 300.0) -> LevelResult:
+    """One closed-loop level, its C workers spread over client processes (see the docstring).
+    This process only starts them, watches /metrics and gathers their results."""
+    from minipaged.server.metrics import parse_metrics
+    ctx = mp.get_context("spawn")
+    ready, reports, start = ctx.Queue(), ctx.Queue(), ctx.Event()
+    procs = []
+    for j, (idx, workers) in enumerate(split_load(len(prompts), concurrency, clients)):
+        jobs = [(i, prompts[i], max_tokens[i]) for i in idx]
+        procs.append(ctx.Process(target=client_process, daemon=True,
+                                 args=(j, url, headers, model, jobs, workers, temperature,
+                                       ready, start, reports)))
+    for p in procs:
+        p.start()
+    try:
+        await asyncio.to_thread(_collect, ready, procs, len(procs), "the clients to start",
+                                start_timeout)
+        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as client:
+            before = parse_metrics((await client.get("/metrics")).text)
+            peaks, stop = {"running": 0, "waiting": 0}, asyncio.Event()
+            watcher = asyncio.create_task(watch_metrics(client, peaks, stop))
+            start.set()
+            got: list[ClientReport] = await asyncio.to_thread(
+                _collect, reports, procs, len(procs), "the clients' results", 24 * 3600)
+            stop.set()
+            await watcher
+            after = parse_metrics((await client.get("/metrics")).text)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    failed = [r for r in got if r.error]
+    if failed:
+        raise RuntimeError(f"client {failed[0].index} failed: {failed[0].error}")
+    got.sort(key=lambda r: r.index)
+    elapsed = max(r.end for r in got) - min(r.start for r in got)
+    results = [res for _, res in sorted((x for r in got for x in r.results), key=lambda x: x[0])]
     ok = [r for r in results if r.ok]
     for r in results:
         if not r.ok:
             print(f"  error: {r.error}", file=sys.stderr)
     tokens = sum(r.output_tokens for r in ok)
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    cpu = [round(r.cpu_percent, 1) for r in got]
     return LevelResult(
-        concurrency=concurrency, num_requests=len(results), errors=len(results) - len(ok),
-        elapsed_sec=round(elapsed, 3), requests_per_sec=round(len(ok) / elapsed, 3),
+        concurrency=concurrency, clients=len(got), num_requests=len(results),
+        errors=len(results) - len(ok), elapsed_sec=round(elapsed, 3),
+        requests_per_sec=round(len(ok) / elapsed, 3),
         output_tokens=tokens, output_tokens_per_sec=round(tokens / elapsed, 1),
         ttft_ms=percentiles([r.ttft for r in ok if r.ttft is not None]),
         itl_ms=percentiles([x for r in ok for x in r.itl]),
+        itl_mean_ms=percentiles([sum(r.itl) / len(r.itl) for r in ok if r.itl]),
         tpot_ms_mean=round(sum(tpot) / len(tpot) * 1e3, 2) if tpot else 0.0,
         preemptions=int(preemptions(after) - preemptions(before)),
-        peak_running=peaks["running"], peak_waiting=peaks["waiting"])
+        peak_running=peaks["running"], peak_waiting=peaks["waiting"],
+        client_cpu_percent=cpu, client_cpu_percent_max=max(cpu))
 
 
-def table(levels: list[LevelResult]) -> str:
-    def trio(d):
-        return " / ".join("-" if d[k] is None else f"{d[k]:g}" for k in ("p50", "p90", "p99"))
-    rows = ["| concurrency | requests | errors | req/s | output tok/s | TTFT p50 / p90 / p99 (ms) "
-            "| ITL p50 / p90 / p99 (ms) | peak running / waiting | preemptions |",
-            "|---:|---:|---:|---:|---:|---|---|---|---:|"]
+# --- the offline reference -------------------------------------------------------------------
+def engine_flags(model: str, server_args: list[str]) -> tuple[dict, list[str]]:
+    """`LLM(**kwargs)` for the engine flags among `server_args` (minipaged's own declaration,
+    as `minipaged serve` parses them), and the arguments that are not engine flags."""
+    from minipaged.cli.args import add_engine_args, engine_kwargs
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    ns, rest = parser.parse_known_args(server_args)
+    if ns.model_arg is not None:  # the value of a server-only flag, taken for MODEL
+        rest.append(ns.model_arg)
+    ns.model_arg, ns.model = None, model  # `serve MODEL`: the positional model wins
+    return engine_kwargs(ns), rest
+
+
+def percentiles_or_none(d: dict) -> dict:
+    """lessons.bench's percentiles ({} when empty) with this script's keys."""
+    return {k: d.get(k) for k in ("p50", "p90", "p99")}
+
+
+def offline_reference(model: str, server_args: list[str], workload: dict, vocab: int,
+                      bos: Optional[int], single_requests: int, temperature: float,
+                      torch_threads: Optional[int], single_salt: int) -> dict:
+    """The offline engine on the workload (runs in its own process; see the docstring)."""
+    if torch_threads:
+        os.environ["OMP_NUM_THREADS"] = str(torch_threads)
+    import torch
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+    from minipaged import LLM, SamplingParams
+    from minipaged.lessons.bench import run_minipaged
+
+    kwargs, ignored = engine_flags(model, server_args)
+    llm = LLM(**kwargs)
+    wl = build_workload(argparse.Namespace(**workload), vocab, bos, llm.config.max_model_len)
+    print(f"offline: {len(wl.prompts)} requests at once ...", flush=True)
+    batch = asdict(run_minipaged(llm, wl, temperature))
+    extra = batch.pop("extra")
+    n = len(wl.prompts) if single_requests <= 0 else min(single_requests, len(wl.prompts))
+    print(f"offline: {n} requests one at a time ...", flush=True)
+    ttft, itl = [], []
+    for prompt, m in zip(salted(wl.prompts[:n], single_salt, vocab), wl.max_tokens[:n]):
+        out = llm.generate([prompt], SamplingParams(temperature=temperature, max_tokens=m,
+                                                    ignore_eos=True, seed=None), use_tqdm=False)[0]
+        k = len(out.outputs[0].token_ids)
+        ttft.append(out.metrics["first_token_time"] - out.metrics["arrival_time"])
+        if k > 1:
+            itl.append((out.metrics["finished_time"] - out.metrics["first_token_time"]) / (k - 1))
+    return {
+        "engine_kwargs": kwargs,
+        "server_args_not_for_the_engine": ignored,
+        "resolved": {f: getattr(llm.config, f) for f in
+                     ("device", "dtype", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                      "max_model_len", "attention_backend", "async_scheduling", "fused_ops")},
+        "torch_threads": torch.get_num_threads(),
+        "workload_digest": digest(wl.prompts, wl.max_tokens),
+        "batch": {"num_requests": batch["num_requests"], "elapsed_sec": batch["elapsed_sec"],
+                  "output_tokens": batch["output_tokens"],
+                  "output_tokens_per_sec": batch["tokens_per_sec"],
+                  "ttft_ms": percentiles_or_none(extra.pop("ttft_ms")),
+                  "itl_ms": percentiles_or_none(extra.pop("itl_ms")), **extra},
+        "single": {"num_requests": n, "ttft_ms": percentiles(ttft), "itl_ms": percentiles(itl)},
+    }
+
+
+def run_offline(a: argparse.Namespace, vocab: int, bos: Optional[int], single_salt: int) -> dict:
+    """`offline_reference` in a fresh process (spawn), which gives the GPU back when it exits,
+    before the server takes it."""
+    workload = {k: getattr(a, k) for k in ("workload", "num_requests", "seed", "input_len",
+                                           "output_len")}
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(offline_reference, a.model, shlex.split(a.server_args), workload,
+                           vocab, bos, a.single_requests, a.temperature, a.torch_threads,
+                           single_salt).result()
+
+
+def ratio(x: Optional[float], y: Optional[float]) -> Optional[float]:
+    return round(x / y, 3) if x is not None and y else None
+
+
+def compare(level: LevelResult, offline: dict) -> dict:
+    b, s = offline["batch"], offline["single"]
+    out = {"tokens_per_sec": ratio(level.output_tokens_per_sec, b["output_tokens_per_sec"]),
+           "itl_p99": ratio(level.itl_ms["p99"], b["itl_ms"]["p99"]),
+           "itl_p99_per_request": ratio(level.itl_mean_ms["p99"], b["itl_ms"]["p99"])}
+    if level.concurrency == 1:
+        out["single_ttft_p50"] = ratio(level.ttft_ms["p50"], s["ttft_ms"]["p50"])
+        out["single_itl_p50"] = ratio(level.itl_ms["p50"], s["itl_ms"]["p50"])
+    return out
+
+
+def bars(levels: list[LevelResult]) -> list[dict]:
+    """The served path's bars, judged on this run's own offline numbers."""
+    out = []
+    top = max(levels, key=lambda r: r.concurrency)
+    if top.concurrency > 1:
+        out.append({"bar": f"concurrency {top.concurrency}: serve tok/s >= "
+                           f"{BAR_THROUGHPUT:.0%} of offline", "value": top.vs_offline["tokens_per_sec"],
+                    "met": (top.vs_offline["tokens_per_sec"] or 0) >= BAR_THROUGHPUT})
+        v = top.vs_offline["itl_p99"]
+        out.append({"bar": f"concurrency {top.concurrency}: serve ITL p99 <= {BAR_ITL_P99:g}x "
+                           "offline ITL p99", "value": v, "met": v is not None and v <= BAR_ITL_P99})
     for r in levels:
-        rows.append(f"| {r.concurrency} | {r.num_requests} | {r.errors} | {r.requests_per_sec:.2f} "
-                    f"| {r.output_tokens_per_sec:,.0f} | {trio(r.ttft_ms)} | {trio(r.itl_ms)} "
-                    f"| {r.peak_running} / {r.peak_waiting} | {r.preemptions} |")
+        if r.concurrency == 1:
+            for key, what in (("single_ttft_p50", "TTFT p50"), ("single_itl_p50", "ITL p50")):
+                v = r.vs_offline[key]
+                out.append({"bar": f"concurrency 1: {what} <= {BAR_SINGLE:g}x a lone offline "
+                                   "request's", "value": v, "met": v is not None and v <= BAR_SINGLE})
+            break
+    return out
+
+
+# --- report ----------------------------------------------------------------------------------
+def trio(d: dict) -> str:
+    return " / ".join("-" if d.get(k) is None else f"{d[k]:g}" for k in ("p50", "p90", "p99"))
+
+
+def fmt(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def table(levels: list[LevelResult], offline: Optional[dict] = None) -> str:
+    head = ("| concurrency | clients | requests | errors | req/s | output tok/s "
+            "| TTFT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) | peak running / waiting "
+            "| preemptions | client CPU max |")
+    align = "|---:|---:|---:|---:|---:|---:|---|---|---|---:|---:|"
+    if offline:
+        head += (" tok/s / offline | ITL p99 / offline (gaps; per request) "
+                 "| TTFT p50 / lone offline | ITL p50 / lone offline |")
+        align += "---:|---:|---:|---:|"
+    rows = [head, align]
+    for r in levels:
+        row = (f"| {r.concurrency} | {r.clients} | {r.num_requests} | {r.errors} "
+               f"| {r.requests_per_sec:.2f} | {r.output_tokens_per_sec:,.0f} | {trio(r.ttft_ms)} "
+               f"| {trio(r.itl_ms)} | {r.peak_running} / {r.peak_waiting} | {r.preemptions} "
+               f"| {r.client_cpu_percent_max:.0f}% |")
+        if offline:
+            v = r.vs_offline
+            row += (f" {fmt(v['tokens_per_sec'])} | {fmt(v['itl_p99'])}; "
+                    f"{fmt(v['itl_p99_per_request'])} | {fmt(v.get('single_ttft_p50'))} "
+                    f"| {fmt(v.get('single_itl_p50'))} |")
+        rows.append(row)
+    return "\n".join(rows)
+
+
+def offline_table(offline: dict) -> str:
+    b, s = offline["batch"], offline["single"]
+    rows = ["| offline engine | requests | output tok/s | TTFT p50 / p90 / p99 (ms) "
+            "| ITL per request p50 / p90 / p99 (ms) |",
+            "|---|---:|---:|---|---|",
+            f"| all at once (minipaged bench) | {b['num_requests']} "
+            f"| {b['output_tokens_per_sec']:,.0f} | {trio(b['ttft_ms'])} | {trio(b['itl_ms'])} |",
+            f"| one at a time | {s['num_requests']} | - | {trio(s['ttft_ms'])} "
+            f"| {trio(s['itl_ms'])} |"]
     return "\n".join(rows)
 
 
@@ -250,6 +606,7 @@ def model_info(model: str, vocab_size: Optional[int]) -> tuple[int, Optional[int
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    from minipaged.lessons.bench import WORKLOADS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", default="stories260K",
@@ -257,7 +614,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--base-url", default=None, help="target a running server instead")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--server-args", default="",
-                    help='extra `minipaged serve` flags, e.g. "--max-num-seqs 64 --num-blocks 2048"')
+                    help='extra `minipaged serve` flags, e.g. "--max-num-seqs 64 --num-blocks 2048"; '
+                         "their engine flags are also the offline engine's")
     ap.add_argument("--server-timeout", type=float, default=600.0)
     ap.add_argument("--workload", default="cpu", choices=WORKLOADS)
     ap.add_argument("--num-requests", type=int, default=None, help="default: the workload's")
@@ -265,6 +623,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--output-len", type=int, default=128, help="for --workload fixed")
     ap.add_argument("--concurrency", default="1,8,32,64",
                     help="comma-separated in-flight request counts")
+    ap.add_argument("--clients", type=int, default=None,
+                    help=f"client processes per level (at most the concurrency); default: "
+                         f"ceil(concurrency / {STREAMS_PER_CLIENT})")
+    ap.add_argument("--single-requests", type=int, default=16,
+                    help="concurrency-1 levels and the offline one-at-a-time run send the first "
+                         "N requests of the workload (0: all)")
+    ap.add_argument("--offline", action="store_true",
+                    help="first run the same workload through the offline engine (same engine "
+                         "flags), for the serve / offline ratios")
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="torch CPU threads of the server and the offline engine "
+                         "(OMP_NUM_THREADS); default: torch's")
     ap.add_argument("--vocab-size", type=int, default=None, help="default: from the model config")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -274,22 +644,35 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "numbers; default: the largest concurrency level")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args(argv)
+    if a.clients is not None and a.clients < 1:
+        ap.error("--clients must be at least 1")
 
     vocab, bos = model_info(a.model, a.vocab_size)
+    levels_c = [int(c) for c in a.concurrency.split(",")]
+    offline = None
+    if a.offline:
+        offline = run_offline(a, vocab, bos, single_salt=1)
+        if offline["server_args_not_for_the_engine"]:
+            print("offline: not engine flags (server only), ignored:",
+                  " ".join(offline["server_args_not_for_the_engine"]), flush=True)
+        print(offline_table(offline), flush=True)
+    salt = random.SystemRandom().randrange(2, 1 << 20)  # the warm-up's; level j uses salt + 1 + j
     proc = None
     if a.base_url:
         url = a.base_url.rstrip("/").removesuffix("/v1")
     else:
-        proc, url = start_server(a.model, shlex.split(a.server_args), a.server_timeout)
+        proc, url = start_server(a.model, shlex.split(a.server_args), a.server_timeout,
+                                 a.torch_threads)
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
+    levels = []
     try:
         models = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"]
         name = a.model if any(m["id"] == a.model for m in models) else models[0]["id"]
         max_model_len = models[0].get("max_model_len")
-        wl = make_workload(a.workload, vocab, num_requests=a.num_requests, seed=a.seed,
-                           input_len=a.input_len, output_len=a.output_len, bos=bos,
-                           max_model_len=max_model_len)
-        levels_c = [int(c) for c in a.concurrency.split(",")]
+        wl = build_workload(a, vocab, bos, max_model_len)
+        if offline and offline["workload_digest"] != digest(wl.prompts, wl.max_tokens):
+            print("warning: the offline engine built a different workload (another "
+                  "max_model_len?): the ratios compare different requests", file=sys.stderr)
         print(f"model {name!r} ({'dummy weights, ' if a.model.startswith('dummy:') else ''}"
               f"vocab {vocab}, max_model_len {max_model_len}) at {url}; workload {a.workload}: "
               f"{len(wl.prompts)} requests, {wl.num_prompt_tokens} prompt tokens, "
@@ -297,27 +680,46 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{os.cpu_count()} CPUs", flush=True)
         warmup = min(len(wl.prompts), max(levels_c) if a.warmup is None else a.warmup)
         if warmup:
-            asyncio.run(run_level(url, headers, name, wl.prompts[:warmup],
+            asyncio.run(run_level(url, headers, name, salted(wl.prompts[:warmup], salt, vocab),
                                   [min(m, 16) for m in wl.max_tokens[:warmup]], warmup,
-                                  a.temperature))
-        levels = []
-        for c in levels_c:
-            r = asyncio.run(run_level(url, headers, name, wl.prompts, wl.max_tokens, c,
-                                      a.temperature))
+                                  a.clients or default_clients(warmup), a.temperature))
+        for j, c in enumerate(levels_c):
+            n = len(wl.prompts)
+            if c == 1 and a.single_requests > 0:
+                n = min(n, a.single_requests)
+            k = a.clients or default_clients(c)
+            r = asyncio.run(run_level(url, headers, name, salted(wl.prompts[:n], salt + 1 + j, vocab),
+                                      wl.max_tokens[:n], c, k, a.temperature))
+            if offline:
+                r.vs_offline = compare(r, offline)
             levels.append(r)
             print(f"  concurrency {c:4d}: {r.requests_per_sec:7.2f} req/s, "
                   f"{r.output_tokens_per_sec:9,.0f} tok/s, TTFT p50 {r.ttft_ms['p50']} ms, "
-                  f"ITL p50 {r.itl_ms['p50']} ms, errors {r.errors}", flush=True)
+                  f"ITL p50 {r.itl_ms['p50']} ms, errors {r.errors}, {r.clients} client(s) at "
+                  f"most {r.client_cpu_percent_max:.0f}% CPU", flush=True)
+            if r.client_cpu_percent_max > CLIENT_CPU_WARN:
+                print(f"  warning: a client process used {r.client_cpu_percent_max:.0f}% of a core "
+                      f"at concurrency {c}: the load generator may be limiting the numbers; "
+                      "raise --clients", file=sys.stderr, flush=True)
     finally:
         if proc is not None:
             stop_server(proc)
     print()
-    print(table(levels))
+    if offline:
+        print(offline_table(offline))
+        print()
+    print(table(levels, offline))
+    verdicts = bars(levels) if offline and levels else []
+    for b in verdicts:
+        print(f"{'meets ' if b['met'] else 'misses'}  {b['bar']}: {fmt(b['value'])}")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps({
             "model": a.model, "workload": a.workload, "server_args": a.server_args,
-            "machine": platform.platform(), "levels": [asdict(r) for r in levels]}, indent=1))
+            "clients": a.clients, "single_requests": a.single_requests,
+            "torch_threads": a.torch_threads, "prompt_salt_base": salt,
+            "machine": platform.platform(), "offline": offline, "bars": verdicts,
+            "levels": [asdict(r) for r in levels]}, indent=1))
         print(f"\nwrote {a.out}")
     return 0 if all(r.errors == 0 for r in levels) else 1
 
