@@ -24,6 +24,8 @@ from typing import Optional
 
 from minipaged.cli.args import HelpFormatter, add_engine_args, engine_config_from_args, flag_names
 
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024  # (api_server.py's default too)
+
 DESCRIPTION = __doc__.split("\n\n")[0].replace("\n", " ")
 
 
@@ -52,6 +54,11 @@ def make_parser() -> argparse.ArgumentParser:
           help="accepted for old vLLM commands; --reasoning-parser alone is enough")
     _flag(s, "--uvicorn-log-level", default="info",
           choices=["critical", "error", "warning", "info", "debug", "trace"])
+    _flag(s, "--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+          help="refuse request bodies larger than this with a 413")
+    _flag(s, "--shutdown-timeout", type=float, default=30.0,
+          help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they are "
+               "ended with an error (new requests get 503 meanwhile)")
     add_engine_args(p)  # every EngineConfig field, as in `minipaged generate` and `bench`
     c = p.add_argument_group("accepted for vLLM compatibility")
     _flag(c, "--trust-remote-code", action="store_true",
@@ -100,11 +107,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return a
 
 
-def build_app_from_args(a: argparse.Namespace):
-    """Load the model, build the engine, the async engine, the metrics and the app."""
-    from minipaged.engine.llm_engine import LLMEngine
+def build_app_from_args(a: argparse.Namespace, in_process: bool = False):
+    """Start the engine core (it loads the model), then build the AsyncLLM, metrics and app.
+    `in_process=True` runs the core in a thread of this process (tests, notebooks)."""
     from minipaged.server.api_server import build_app
-    from minipaged.server.async_engine import AsyncLLMEngine
+    from minipaged.server.async_llm import AsyncLLM
     from minipaged.server.metrics import Metrics
     from minipaged.server.reasoning import get_reasoning_parser
 
@@ -114,27 +121,27 @@ def build_app_from_args(a: argparse.Namespace):
     config = engine_config_from_args(a)
     if config.max_trace_len is None:  # a server runs for days: keep the newest steps only
         config = dataclasses.replace(config, max_trace_len=10_000)
-    engine = LLMEngine(config)
-    async_engine = AsyncLLMEngine(engine, Metrics(names[0]))
-    root = str(engine.source.path) if engine.source.path is not None else a.model
-    return build_app(async_engine, names, api_key=a.api_key, chat_template=template,
-                     reasoning_parser=parser, model_root=root)
+    llm = AsyncLLM(config, Metrics(names[0]), in_process=in_process)
+    root = llm.info["model_path"] or a.model
+    return build_app(llm, names, api_key=a.api_key, chat_template=template,
+                     reasoning_parser=parser, model_root=root,
+                     max_request_body_bytes=a.max_request_body_bytes)
 
 
 def banner(a, app) -> str:
-    eng = app.state.engine.engine
-    cfg = eng.config
+    llm = app.state.llm
+    cfg, info = llm.config, llm.info
     url = f"http://{'127.0.0.1' if a.host in ('0.0.0.0', '::') else a.host}:{a.port}"
-    has_template = bool(app.state.serving.chat_template or
-                        getattr(eng.tokenizer, "chat_template", None))
-    names = ", ".join(repr(n) for n in app.state.serving.served_model_names)
+    has_template = bool(app.state.chat.chat_template or
+                        getattr(llm.tokenizer, "chat_template", None))
+    names = ", ".join(repr(n) for n in app.state.chat.served_model_names)
     key = "required on /v1 routes" if a.api_key else "none (anyone who reaches the port can use it)"
     template = "yes" if has_template else "none (chat returns 400; completions work)"
     lines = [
-        f"minipaged serve: {a.model} as {names} on {eng.device} ({eng.dtype}, "
-        f"{type(eng.backend).__name__})",
-        f"  KV cache: {eng.num_blocks} blocks x {cfg.block_size} tokens = "
-        f"{eng.num_blocks * cfg.block_size} token slots; max_model_len {cfg.max_model_len}, "
+        f"minipaged serve: {a.model} as {names} on {info['device']} ({info['dtype']}, "
+        f"{info['attention_backend']}; engine core in its own process)",
+        f"  KV cache: {info['num_blocks']} blocks x {cfg.block_size} tokens = "
+        f"{info['num_blocks'] * cfg.block_size} token slots; max_model_len {cfg.max_model_len}, "
         f"max_num_seqs {cfg.max_num_seqs}, max_num_batched_tokens {cfg.max_num_batched_tokens}",
         f"  OpenAI API: {url}/v1   Swagger UI: {url}/docs   metrics: {url}/metrics",
         f"  API key: {key};  chat template: {template}",
@@ -151,20 +158,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"note: {note}", file=sys.stderr)
     try:
         app = build_app_from_args(a)
-    except (ValueError, FileNotFoundError) as e:  # the config's teaching errors
+    except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:  # teaching errors
         print(f"error: {e}", file=sys.stderr)
         return 1
     import uvicorn
-    # Two busy threads share the GIL here: the engine thread (whose many small torch calls each
-    # release and re-take it) and the event loop. With CPython's default 5 ms switch interval the
-    # engine thread can wait that long for every re-take while the loop serialises chunks; 1 ms
-    # made steps ~1.4x faster under streaming load on 2 CPU cores.
-    sys.setswitchinterval(0.001)
+    from minipaged.server.api_server import GracefulServer
     print(banner(a, app), flush=True)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.uvicorn_log_level,
-                timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.uvicorn_log_level,
+                            timeout_graceful_shutdown=a.shutdown_timeout + 5)
+    GracefulServer(config, app.state.llm, a.shutdown_timeout).run()
     return 0
+
 
 
 if __name__ == "__main__":

@@ -62,13 +62,13 @@ def detokenize(tokenizer, prompt_ids: list[int], output_ids: list[int], skip_spe
     return tokenizer.decode(output_ids, skip_special_tokens=skip_special)
 
 
-def detokenize_incrementally(tokenizer, seq: Sequence) -> None:
+def detokenize_incrementally(tokenizer, seq: Sequence, final: bool = False) -> None:
     """Append the text of `seq`'s newest tokens to `seq.output_text` (vLLM's offsets).
 
     Decoding the whole output at every step costs O(length) per token; this decodes only a short
     window: the tokens not yet turned into text plus those of the last piece of text before them
     (so sentencepiece's leading spaces come out right). A token that ends in the middle of a
-    multi-byte character ("\ufffd") waits for the next one.
+    multi-byte character ("\ufffd") waits for the next one, unless this is the `final` call.
     """
     ids = seq.token_ids  # prompt + output
     skip = seq.sampling_params.skip_special_tokens
@@ -78,9 +78,29 @@ def detokenize_incrementally(tokenizer, seq: Sequence) -> None:
     prefix_text = tokenizer.decode(ids[seq.detok_prefix_offset:seq.detok_read_offset],
                                    skip_special_tokens=skip)
     new_text = tokenizer.decode(ids[seq.detok_prefix_offset:], skip_special_tokens=skip)
-    if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+    if len(new_text) > len(prefix_text) and (final or not new_text.endswith("\ufffd")):
         seq.output_text += new_text[len(prefix_text):]
         seq.detok_prefix_offset, seq.detok_read_offset = seq.detok_read_offset, len(ids)
+
+
+def find_stop_string(text: str, searched: int, stops: list[str],
+                     include: bool) -> Optional[tuple[str, int]]:
+    """The stop string that ends in the new text `text[searched:]` and starts first, with the
+    length the text is cut to (its end if `include`, else its start); None if there is none.
+
+    Only matches that reach into the new text count (vLLM's window: the last `len(stop) - 1`
+    old characters plus the new ones), so text that was checked before, or produced before
+    min_tokens, is never cut after the fact, and the search costs O(new text) per step.
+    """
+    best: Optional[tuple[str, int]] = None
+    for stop in stops:
+        idx = text.find(stop, max(searched - len(stop) + 1, 0))
+        if idx != -1 and (best is None or idx < best[1]):
+            best = (stop, idx)
+    if best is None:
+        return None
+    stop, idx = best
+    return stop, idx + len(stop) if include else idx
 
 
 class OutputProcessor:
@@ -100,25 +120,43 @@ class OutputProcessor:
             if token in p.stop_token_ids:
                 seq.stop_reason = token
                 return SequenceStatus.FINISHED_STOPPED
-            if p.stop:
-                self.detokenize(seq)
-                for stop in p.stop:
-                    idx = seq.output_text.find(stop)
-                    if idx != -1:
-                        end = idx + len(stop) if p.include_stop_str_in_output else idx
-                        seq.output_text = seq.output_text[:end]
-                        seq.stop_reason = stop
-                        return SequenceStatus.FINISHED_STOPPED
+        if p.stop and self.check_stop_strings(seq):
+            return SequenceStatus.FINISHED_STOPPED
         if p.max_tokens is not None and n_out >= p.max_tokens:
             return SequenceStatus.FINISHED_LENGTH
         if seq.num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
 
+    def check_stop_strings(self, seq: Sequence) -> bool:
+        """Detokenize `seq`'s new tokens and look for a stop string in the new text only, once
+        min_tokens are out. On a match: cut the text there, set `stop_reason`, return True."""
+        p = seq.sampling_params
+        self.detokenize(seq)
+        found = None
+        if seq.num_output_tokens >= p.min_tokens:
+            found = find_stop_string(seq.output_text, seq.stop_searched_len, p.stop,
+                                     p.include_stop_str_in_output)
+        seq.stop_searched_len = len(seq.output_text)
+        if found is None:
+            return False
+        seq.stop_reason, end = found
+        seq.output_text = seq.output_text[:end]
+        return True
+
     def detokenize(self, seq: Sequence) -> None:
         """Bring `seq.output_text` up to date while it runs (streaming, stop strings)."""
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and seq.sampling_params.detokenize:
             detokenize_incrementally(self.tokenizer, seq)
+
+    def final_text(self, seq: Sequence) -> None:
+        """The finished text: decoded in one go if it never streamed; else the streamed text
+        and the rest (a trailing partial character included), so the two always agree."""
+        if seq.detok_read_offset < 0:
+            seq.output_text = self.text(seq, seq.output_token_ids,
+                                        seq.sampling_params.skip_special_tokens)
+        else:
+            detokenize_incrementally(self.tokenizer, seq, final=True)
 
     def text(self, seq: Sequence, output_ids: list[int], skip_special: bool) -> str:
         if self.tokenizer is None:
@@ -127,9 +165,8 @@ class OutputProcessor:
 
     def completion(self, seq: Sequence) -> CompletionOutput:
         if (seq.is_finished and not isinstance(seq.stop_reason, str)  # stop strings trim text
-                and self.tokenizer is not None):  # the final text, decoded in one go
-            seq.output_text = self.text(seq, seq.output_token_ids,
-                                        seq.sampling_params.skip_special_tokens)
+                and self.tokenizer is not None and seq.sampling_params.detokenize):
+            self.final_text(seq)
         return CompletionOutput(
             index=seq.index, text=seq.output_text, token_ids=list(seq.output_token_ids),
             cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,

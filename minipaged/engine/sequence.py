@@ -72,6 +72,7 @@ class Sequence:
     # window whose text is already in output_text; -1 until the first call.
     detok_prefix_offset: int = -1
     detok_read_offset: int = -1
+    stop_searched_len: int = 0  # output_text[:this] has been searched for stop strings
     stop_reason: Optional[int | str] = None
     error: Optional[str] = None  # FINISHED_ERROR: what went wrong, for the request's caller
     num_preemptions: int = 0

@@ -6,17 +6,24 @@ Lesson 07 explains it and plots them while a burst of requests runs.
     minipaged:kv_cache_blocks_used        gauge      blocks referenced by live sequences
     minipaged:kv_cache_blocks_total       gauge      size of the cache in blocks
     minipaged:kv_cache_usage_perc         gauge      used / total, 0..1 (vLLM's name)
-    minipaged:num_preemptions_total       counter    sequences preempted (recompute)
+    minipaged:num_preemptions_total       counter    sequences preempted (recompute or swap)
+    minipaged:prefix_cache_queries_total  counter    prompt tokens looked up in the prefix cache
+    minipaged:prefix_cache_hits_total     counter    ... of which were found (hit rate = hits/queries)
     minipaged:prompt_tokens_total         counter    prompt tokens prefilled
     minipaged:generation_tokens_total     counter    tokens generated
     minipaged:request_success_total       counter    finished requests, by finished_reason
     minipaged:time_to_first_token_seconds histogram  request arrival -> first token
     minipaged:inter_token_latency_seconds histogram  gap between two tokens of one request
     minipaged:e2e_request_latency_seconds histogram  arrival -> last token
+    minipaged:request_queue_time_seconds  histogram  arrival -> first scheduled (waiting)
+    minipaged:request_prefill_time_seconds histogram first scheduled -> first token
+    minipaged:request_decode_time_seconds histogram  first token -> last token
+    minipaged:request_params_n            histogram  the n (samples per prompt) of requests
 
 Every `Metrics` has its own `CollectorRegistry` (not prometheus_client's global one), so a test
-or a notebook can build several servers in one process. The engine thread updates them (the
-client library is thread-safe); `/metrics` renders the registry in Prometheus' text format.
+or a notebook can build several servers in one process. The API server process updates them from
+what the engine core sends after each step (async_llm.py); `/metrics` renders the registry in
+Prometheus' text format.
 """
 from __future__ import annotations
 
@@ -67,6 +74,20 @@ class Metrics:
                                              "Inter-token latency in seconds.", ITL_BUCKETS)
         self.e2e_request_latency = histogram("e2e_request_latency_seconds",
                                              "End-to-end request latency in seconds.", E2E_BUCKETS)
+        self.request_queue_time = histogram("request_queue_time_seconds",
+                                            "Time a request waited before it was first scheduled.",
+                                            E2E_BUCKETS)
+        self.request_prefill_time = histogram("request_prefill_time_seconds",
+                                              "Time from first scheduled to the first token.",
+                                              E2E_BUCKETS)
+        self.request_decode_time = histogram("request_decode_time_seconds",
+                                             "Time from the first token to the last.", E2E_BUCKETS)
+        self.request_params_n = histogram("request_params_n", "The n parameter of requests.",
+                                          (1, 2, 5, 10, 20, 50, 100))
+        self.prefix_cache_queries = counter("prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits",
+                                         "Prompt tokens found in the prefix cache.")
 
     def request_finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()

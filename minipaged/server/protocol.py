@@ -222,3 +222,31 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: Optional[UsageInfo] = None
+
+
+# --- /tokenize and /detokenize (vLLM's extensions) -------------------------------------------
+class TokenizeRequest(OpenAIBaseModel):
+    """Either `prompt` (text), or chat `messages` rendered through the chat template."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = Field(True, description="for `prompt`; chat templates add their own")
+    add_generation_prompt: bool = True
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str
