@@ -29,15 +29,19 @@ request when the previous one finished (a closed loop, like vLLM's `--max-concur
 
 The load generator must not be what it measures. Parsing a server-sent-events stream costs the
 client about as much CPU per token as the server spends sending it, and one asyncio process
-driving 256 streams was seen at 84% of a core on an H200, close to being the bottleneck. So the C
-workers run in K client *processes* (`--clients`, default ceil(C / 64): at most ~64 streams each),
+driving 256 streams was seen at 84% of a core on an H200, close to being the bottleneck, and one
+driving 64 streams at 7,400 tok/s at 73%. So the C workers run in K client *processes*
+(`--clients`, default ceil(C / 32): at most 32 streams each),
 each with its own event loop and httpx client. Request i goes to client i % K, and each client's
 workers take its requests in order (so every request is sent exactly once and the split does not
 depend on timing); client k runs C // K workers, one more if k < C % K. The clients connect first,
 then start together on one Event; a level lasts from that start to the last client's end (both
 on the clock every process shares, CLOCK_MONOTONIC on Linux). Each client reports its own CPU time
 over that span: `client_cpu_percent_max` is the busiest client's CPU / wall time, and a warning
-says when one passes 70% of a core (raise --clients).
+says when one passes 70% of a core (raise --clients). When the script starts the server itself it
+also reads the CPU time of the server's processes (the API server, then its children such as an
+engine core; /proc, Linux) over the level: `server_cpu_percent`, one number per process, where
+~100% says that process's Python threads (which share one GIL) are the limit.
 
 `--offline` runs the same workload through the offline engine first, in a subprocess with the
 engine flags that --server-args gives the server (parsed by minipaged's own flag declaration,
@@ -91,7 +95,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # minipaged (and torch) are imported inside the functions that need them: the client processes
 # import this file too, and a client needs httpx only.
 
-STREAMS_PER_CLIENT = 64  # --clients default: ceil(C / 64) processes
+STREAMS_PER_CLIENT = 32  # --clients default: ceil(C / 32) processes
 CLIENT_CPU_WARN = 70.0  # % of one core
 # The bars the served path is judged by, against the offline engine in the same run.
 BAR_THROUGHPUT = 0.85  # serve tok/s >= 85% of offline, at the largest concurrency level
@@ -129,6 +133,9 @@ class LevelResult:
     peak_waiting: int
     client_cpu_percent: list[float]  # per client process: CPU time / wall time of the level
     client_cpu_percent_max: float
+    # The server's processes (the API server first, then its children: an engine core), when
+    # this script started it and /proc exists.
+    server_cpu_percent: list[float] = field(default_factory=list)
     vs_offline: dict = field(default_factory=dict)  # filled when --offline ran
 
 
@@ -371,12 +378,42 @@ async def watch_metrics(client: httpx.AsyncClient, peaks: dict, stop: asyncio.Ev
             pass
 
 
+def process_tree_cpu(pid: Optional[int]) -> dict[int, float]:
+    """User + system CPU seconds of process `pid` and of each of its descendants (every thread
+    counted), from /proc: {pid: seconds}, `pid` first; {} without /proc or without a pid."""
+    if pid is None or not Path("/proc/self/stat").exists():
+        return {}
+    tick = os.sysconf("SC_CLK_TCK")
+    parent, cpu = {}, {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:  # after the ")" of the command name: state ppid ... utime(12th) stime(13th)
+            f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            parent[int(d.name)], cpu[int(d.name)] = int(f[1]), (int(f[11]) + int(f[12])) / tick
+        except (OSError, ValueError, IndexError):
+            continue  # it exited while we looked
+    tree, todo = {}, [pid]
+    while todo:
+        p = todo.pop(0)
+        if p in cpu:
+            tree[p] = cpu[p]
+            todo += sorted(c for c, pp in parent.items() if pp == p)
+    return tree
+
+
+def cpu_percent(before: dict[int, float], after: dict[int, float], wall: float) -> list[float]:
+    """Per process of `after` (in its order): CPU % of one core over `wall` seconds."""
+    return [round(100 * (t - before.get(p, 0.0)) / wall, 1) for p, t in after.items()]
+
+
 def preemptions(metrics: dict) -> float:
     return metrics.get("minipaged:num_preemptions_total", metrics.get("vllm:num_preemptions_total", 0))
 
 
 async def run_level(url: str, headers: dict, model: str, prompts, max_tokens, concurrency: int,
-                    clients: int, temperature: float, start_timeout: float = 300.0) -> LevelResult:
+                    clients: int, temperature: float, server_pid: Optional[int] = None,
+                    start_timeout: float = 300.0) -> LevelResult:
     """One closed-loop level, its C workers spread over client processes (see the docstring).
     This process only starts them, watches /metrics and gathers their results."""
     from minipaged.server.metrics import parse_metrics
@@ -397,9 +434,11 @@ async def run_level(url: str, headers: dict, model: str, prompts, max_tokens, co
             before = parse_metrics((await client.get("/metrics")).text)
             peaks, stop = {"running": 0, "waiting": 0}, asyncio.Event()
             watcher = asyncio.create_task(watch_metrics(client, peaks, stop))
+            server_cpu0, t0 = process_tree_cpu(server_pid), time.perf_counter()
             start.set()
             got: list[ClientReport] = await asyncio.to_thread(
                 _collect, reports, procs, len(procs), "the clients' results", 24 * 3600)
+            server_cpu1, t1 = process_tree_cpu(server_pid), time.perf_counter()
             stop.set()
             await watcher
             after = parse_metrics((await client.get("/metrics")).text)
@@ -432,7 +471,8 @@ async def run_level(url: str, headers: dict, model: str, prompts, max_tokens, co
         tpot_ms_mean=round(sum(tpot) / len(tpot) * 1e3, 2) if tpot else 0.0,
         preemptions=int(preemptions(after) - preemptions(before)),
         peak_running=peaks["running"], peak_waiting=peaks["waiting"],
-        client_cpu_percent=cpu, client_cpu_percent_max=max(cpu))
+        client_cpu_percent=cpu, client_cpu_percent_max=max(cpu),
+        server_cpu_percent=cpu_percent(server_cpu0, server_cpu1, t1 - t0))
 
 
 # --- the offline reference -------------------------------------------------------------------
@@ -558,8 +598,8 @@ def fmt(x: Optional[float]) -> str:
 def table(levels: list[LevelResult], offline: Optional[dict] = None) -> str:
     head = ("| concurrency | clients | requests | errors | req/s | output tok/s "
             "| TTFT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) | peak running / waiting "
-            "| preemptions | client CPU max |")
-    align = "|---:|---:|---:|---:|---:|---:|---|---|---|---:|---:|"
+            "| preemptions | client CPU max | server CPU per process |")
+    align = "|---:|---:|---:|---:|---:|---:|---|---|---|---:|---:|---:|"
     if offline:
         head += (" tok/s / offline | ITL p99 / offline (gaps; per request) "
                  "| TTFT p50 / lone offline | ITL p50 / lone offline |")
@@ -569,7 +609,8 @@ def table(levels: list[LevelResult], offline: Optional[dict] = None) -> str:
         row = (f"| {r.concurrency} | {r.clients} | {r.num_requests} | {r.errors} "
                f"| {r.requests_per_sec:.2f} | {r.output_tokens_per_sec:,.0f} | {trio(r.ttft_ms)} "
                f"| {trio(r.itl_ms)} | {r.peak_running} / {r.peak_waiting} | {r.preemptions} "
-               f"| {r.client_cpu_percent_max:.0f}% |")
+               f"| {r.client_cpu_percent_max:.0f}% "
+               f"| {' + '.join(f'{x:.0f}%' for x in r.server_cpu_percent) or '-'} |")
         if offline:
             v = r.vs_offline
             row += (f" {fmt(v['tokens_per_sec'])} | {fmt(v['itl_p99'])}; "
@@ -664,6 +705,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         proc, url = start_server(a.model, shlex.split(a.server_args), a.server_timeout,
                                  a.torch_threads)
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
+    server_pid = proc.pid if proc is not None else None
     levels = []
     try:
         models = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"]
@@ -682,21 +724,24 @@ def main(argv: Optional[list[str]] = None) -> int:
         if warmup:
             asyncio.run(run_level(url, headers, name, salted(wl.prompts[:warmup], salt, vocab),
                                   [min(m, 16) for m in wl.max_tokens[:warmup]], warmup,
-                                  a.clients or default_clients(warmup), a.temperature))
+                                  a.clients or default_clients(warmup), a.temperature,
+                                  server_pid))
         for j, c in enumerate(levels_c):
             n = len(wl.prompts)
             if c == 1 and a.single_requests > 0:
                 n = min(n, a.single_requests)
             k = a.clients or default_clients(c)
             r = asyncio.run(run_level(url, headers, name, salted(wl.prompts[:n], salt + 1 + j, vocab),
-                                      wl.max_tokens[:n], c, k, a.temperature))
+                                      wl.max_tokens[:n], c, k, a.temperature, server_pid))
             if offline:
                 r.vs_offline = compare(r, offline)
             levels.append(r)
             print(f"  concurrency {c:4d}: {r.requests_per_sec:7.2f} req/s, "
                   f"{r.output_tokens_per_sec:9,.0f} tok/s, TTFT p50 {r.ttft_ms['p50']} ms, "
                   f"ITL p50 {r.itl_ms['p50']} ms, errors {r.errors}, {r.clients} client(s) at "
-                  f"most {r.client_cpu_percent_max:.0f}% CPU", flush=True)
+                  f"most {r.client_cpu_percent_max:.0f}% CPU"
+                  + (", server " + " + ".join(f"{x:.0f}%" for x in r.server_cpu_percent)
+                     + " CPU" if r.server_cpu_percent else ""), flush=True)
             if r.client_cpu_percent_max > CLIENT_CPU_WARN:
                 print(f"  warning: a client process used {r.client_cpu_percent_max:.0f}% of a core "
                       f"at concurrency {c}: the load generator may be limiting the numbers; "

@@ -25,7 +25,7 @@ def test_split_load_sends_every_request_once_and_spreads_the_workers():
         for j, (idx, _) in enumerate(shares):
             assert all(i % len(shares) == j for i in idx)
     assert [w for _, w in sl.split_load(100, 10, 4)] == [3, 3, 2, 2]
-    assert [sl.default_clients(c) for c in (1, 64, 65, 256)] == [1, 1, 2, 4]
+    assert [sl.default_clients(c) for c in (1, 32, 33, 64, 256)] == [1, 1, 2, 2, 8]
 
 
 def test_salts_change_one_early_token_and_keep_lengths():
@@ -48,6 +48,24 @@ def test_engine_flags_are_minipaged_serves():
     assert kwargs["block_size"] == 128 and kwargs["max_num_seqs"] == 64
     assert kwargs["enable_prefix_caching"] is False
     assert set(rest) == {"--served-model-name", "tiny", "--api-key", "k"}
+
+
+def test_process_tree_cpu_reads_this_process_and_its_children():
+    if sys.platform != "linux":
+        pytest.skip("/proc")
+    import os
+    import subprocess
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        t0 = sl.process_tree_cpu(os.getpid())
+        sum(i * i for i in range(2_000_000))
+        t1 = sl.process_tree_cpu(os.getpid())
+    finally:
+        child.kill()
+        child.wait()
+    assert list(t1)[0] == os.getpid() and child.pid in t1
+    assert sl.cpu_percent(t0, t1, 1.0)[0] > 0
+    assert sl.process_tree_cpu(None) == {}
 
 
 def _sse_server(request: httpx.Request) -> httpx.Response:
@@ -108,6 +126,8 @@ def test_end_to_end_on_stories260k(tmp_path):
     one, four = data["levels"]
     assert (one["clients"], one["num_requests"], four["clients"], four["num_requests"]) == (1, 2, 2, 6)
     assert len(four["client_cpu_percent"]) == 2 and four["client_cpu_percent_max"] > 0
+    if sys.platform == "linux":  # the server's CPU time comes from /proc
+        assert four["server_cpu_percent"] and four["server_cpu_percent"][0] > 0
     assert data["offline"]["batch"]["num_requests"] == 6
     assert data["offline"]["single"]["num_requests"] == 2
     assert data["offline"]["engine_kwargs"]["max_model_len"] == 256
