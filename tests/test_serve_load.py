@@ -110,6 +110,15 @@ def test_ratios_table_and_bars():
     assert levels[1].vs_offline == {"tokens_per_sec": 0.9, "itl_p99": 2.5,
                                     "itl_p99_per_request": 2.5}
     assert [b["met"] for b in sl.bars(levels)] == [True, False, True, True]
+    again = level(8, 700.0, 3.0, 3.0, 1.0)  # a second and a third run of concurrency 8
+    third = level(8, 800.0, 4.0, 3.0, 1.0)
+    for i, r in enumerate((again, third), 1):
+        r.vs_offline, r.repeat = sl.compare(r, offline), i
+    verdicts = sl.bars(levels + [again, third])
+    assert verdicts[0]["value"] == 0.8 and verdicts[0]["values"] == [0.9, 0.7, 0.8]
+    assert verdicts[1]["value"] == 2.0 and verdicts[1]["met"]
+    assert "| 8 #2 |" in sl.table(levels + [again, third], offline)
+    assert sl.median_run([{"t": 3}, {"t": 1}, {"t": 2}, {"t": 4}], "t") == {"t": 2}
     text = sl.table(levels, offline)
     assert "| 0.90 | 2.50; 2.50 | - | - |" in text and "tok/s / offline" in text
     assert "offline" not in sl.table(levels) and "12%" in sl.table(levels)
@@ -120,11 +129,14 @@ def test_end_to_end_on_stories260k(tmp_path):
     out = tmp_path / "serve_load.json"
     rc = sl.main(["--num-requests", "6", "--concurrency", "1,4", "--clients", "2",
                   "--single-requests", "2", "--warmup", "2", "--offline", "--torch-threads", "1",
+                  "--repeats", "2",
                   "--server-args", "--device cpu --max-model-len 256", "--out", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
-    one, four = data["levels"]
+    one, one_again, four, four_again = data["levels"]
     assert (one["clients"], one["num_requests"], four["clients"], four["num_requests"]) == (1, 2, 2, 6)
+    assert (one["repeat"], one_again["repeat"], four_again["concurrency"]) == (0, 1, 4)
+    assert len(data["offline"]["batch"]["runs_tokens_per_sec"]) == 2
     assert len(four["client_cpu_percent"]) == 2 and four["client_cpu_percent_max"] > 0
     if sys.platform == "linux":  # the server's CPU time comes from /proc
         assert four["server_cpu_percent"] and four["server_cpu_percent"][0] > 0
