@@ -1,8 +1,9 @@
 """The OpenAI-compatible server (minipaged/server/, lesson 07) through the official `openai` client.
 
 A real uvicorn serves stories260K on 127.0.0.1 (a free port) in a background thread, built from
-`minipaged serve` arguments, so the tests can look inside its engine (block manager, scheduler)
-as well as at /metrics.
+`minipaged serve` arguments, with the engine core in a thread of this process (the same sockets
+and messages as the real process), so the tests can look inside its engine (block manager,
+scheduler) as well as at /metrics. tests/test_server_robustness.py runs `minipaged serve` itself.
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ class ServerThread:
 
     def __init__(self, *argv: str):
         self.port = _free_port()
-        self.app = build_app_from_args(parse_args([*argv, "--port", str(self.port)]))
+        self.app = build_app_from_args(parse_args([*argv, "--port", str(self.port)]),
+                                       in_process=True)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
                                                     log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -54,8 +56,8 @@ class ServerThread:
         return f"http://127.0.0.1:{self.port}"
 
     @property
-    def engine(self):  # the LLMEngine
-        return self.app.state.engine.engine
+    def engine(self):  # the LLMEngine inside the engine core
+        return self.app.state.llm.client.core.engine
 
     def metrics(self) -> dict[str, float]:
         return parse_metrics(httpx.get(self.url + "/metrics").text)
@@ -64,7 +66,7 @@ class ServerThread:
         """Until the engine has no requests and every KV block is free again."""
         eng, deadline = self.engine, time.time() + timeout
         while True:
-            idle = (not eng.has_unfinished_requests() and not self.app.state.engine._tracked
+            idle = (not eng.has_unfinished_requests() and not self.app.state.llm.requests
                     and eng.block_manager.num_free_blocks == eng.block_manager.num_blocks)
             if idle or time.time() > deadline:
                 break
@@ -353,27 +355,31 @@ def test_128_concurrent_streams(server):
 
 
 def test_engine_crash_fails_its_requests():
-    from minipaged import EngineConfig, LLMEngine, SamplingParams
-    from minipaged.server.async_engine import AsyncLLMEngine, EngineDeadError
-    engine = LLMEngine(EngineConfig(num_blocks=32, device="cpu"))
+    """A step that raises (a bug, not a request's fault) stops the core: what was running fails
+    with EngineDeadError, later requests are refused at once, /health would say 503."""
+    from minipaged import EngineConfig, SamplingParams
+    from minipaged.server.async_llm import AsyncLLM, EngineDeadError
+    llm = AsyncLLM(EngineConfig(num_blocks=32, device="cpu"), in_process=True)
 
     def broken_step():
         raise RuntimeError("boom")
 
-    engine.step = broken_step
-    async_engine = AsyncLLMEngine(engine)
-    async_engine.start()
+    llm.client.core.engine.step = broken_step
 
     async def run():
-        stream = await async_engine.submit([PROMPT], [SamplingParams(max_tokens=4)])
+        llm.start()
+        stream = await llm.generate([PROMPT], SamplingParams(max_tokens=4))
         with pytest.raises(EngineDeadError, match="boom"):
             async for _ in stream:
                 pass
         with pytest.raises(EngineDeadError):  # later requests are refused at once
-            await async_engine.submit([PROMPT], [SamplingParams(max_tokens=4)])
+            await llm.generate([PROMPT], SamplingParams(max_tokens=4))
 
-    asyncio.run(run())
-    assert not async_engine.is_running
+    try:
+        asyncio.run(run())
+        assert not llm.is_running
+    finally:
+        llm.shutdown()
 
 
 def test_metrics_and_health(server):

@@ -211,7 +211,9 @@ class AsyncLLM:
                                  accepted=loop.create_future())
             out.states.append(state)
             self.requests[rid] = state
-            self.client.send(AddRequest(rid, ids, core_params, now))
+            if not self.client.send(AddRequest(rid, ids, core_params, now)):
+                self._die("the engine core is not listening")
+                raise EngineDeadError("the engine core stopped")
         if self.metrics is not None:
             for _ in rids:
                 self.metrics.request_params_n.observe(params.n)

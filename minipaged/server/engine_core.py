@@ -25,6 +25,7 @@ sockets on the API server's side.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -33,7 +34,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import msgspec
 import zmq
@@ -48,6 +49,10 @@ from minipaged.server.messages import (AbortRequests, Accepted, AddRequest, Comp
 logger = logging.getLogger("minipaged.server")
 
 IDLE_POLL_MS = 1000  # how long an idle core sleeps on its socket before checking its parent
+
+
+class ServerGone(Exception):
+    """The API server no longer reads the core's outputs."""
 
 
 class EngineCore:
@@ -163,6 +168,13 @@ class EngineCore:
     def run(self, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: Optional[int]) -> None:
         """Drain every waiting message, then step; sleep on the socket only while idle."""
         eng = self.engine
+
+        def send(msg) -> None:
+            try:
+                outbox.send(encoder.encode(msg), flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # nobody is listening: the API server is gone
+                raise ServerGone from None
+
         while not self.stopping:
             busy = eng.has_unfinished_requests()
             timeout = 0 if busy else IDLE_POLL_MS
@@ -172,19 +184,21 @@ class EngineCore:
                 handled, timeout = True, 0
             acks = self.take_acks()
             if acks is not None:
-                outbox.send(encoder.encode(acks))
+                send(acks)
             if eng.has_unfinished_requests():
-                outbox.send(encoder.encode(self.step()))
+                send(self.step())
             elif handled:  # aborts freed blocks: let the gauges know
-                outbox.send(encoder.encode(StepOutputs([], self.stats())))
+                send(StepOutputs([], self.stats()))
             elif parent_pid is not None and os.getppid() != parent_pid:
                 logger.warning("the API server is gone: the engine core stops")
                 return
 
 
 def run_engine_core(config_bytes: bytes, inbox_addr: str, outbox_addr: str,
-                    parent_pid: Optional[int], num_threads: Optional[int]) -> None:
-    """The engine core's main (a spawned process's target, or a thread's)."""
+                    parent_pid: Optional[int], num_threads: Optional[int],
+                    on_start: Optional[Callable[[EngineCore], None]] = None) -> None:
+    """The engine core's main (in its own process, or a thread's target). `on_start` sees the
+    `EngineCore` before it serves (in a thread: so a notebook or test can look inside)."""
     import torch
     if num_threads is not None and parent_pid is not None:  # a process: match the server's
         torch.set_num_threads(num_threads)
@@ -199,14 +213,20 @@ def run_engine_core(config_bytes: bytes, inbox_addr: str, outbox_addr: str,
         try:
             core = EngineCore(msgspec.msgpack.decode(config_bytes, type=EngineConfig))
         except Exception as e:  # noqa: BLE001 - a config or model error: tell the server why
-            outbox.send(encoder.encode(Dead(str(e))))
+            outbox.send(encoder.encode(Dead(str(e))), flags=zmq.NOBLOCK)
             return
-        outbox.send(encoder.encode(Ready(core.info())))
+        if on_start is not None:
+            on_start(core)
+        outbox.send(encoder.encode(Ready(core.info())), flags=zmq.NOBLOCK)
         try:
             core.run(inbox, outbox, parent_pid)
+        except ServerGone:
+            logger.warning("the API server is gone: the engine core stops")
         except Exception as e:  # noqa: BLE001 - a bug in a step: every request must hear of it
             logger.exception("the engine core crashed")
-            outbox.send(encoder.encode(Dead(f"the engine core crashed: {e!r}")))
+            with contextlib.suppress(zmq.Again):
+                outbox.send(encoder.encode(Dead(f"the engine core crashed: {e!r}")),
+                            flags=zmq.NOBLOCK)
     finally:
         inbox.close(linger=0)
         outbox.close(linger=1000)  # let the last message (Dead) reach the server
@@ -234,10 +254,12 @@ class EngineCoreClient:
         config_bytes, threads = encoder.encode(config), torch.get_num_threads()
         self.thread: Optional[threading.Thread] = None
         self.process: Optional[subprocess.Popen] = None
+        self.core: Optional[EngineCore] = None  # in a thread only: the core itself
         if in_process:
             self.thread = threading.Thread(
                 target=run_engine_core, daemon=True, name="minipaged-engine-core",
-                args=(config_bytes, inbox_addr, outbox_addr, None, None))
+                args=(config_bytes, inbox_addr, outbox_addr, None, None,
+                      lambda core: setattr(self, "core", core)))
             self.thread.start()
         else:  # a fresh interpreter running `main()` below, its config on stdin
             self.process = subprocess.Popen(
@@ -270,8 +292,14 @@ class EngineCoreClient:
         self.close()
         raise TimeoutError(f"the engine core did not start within {timeout:.0f} s")
 
-    def send(self, msg) -> None:
-        self.to_core.send(encoder.encode(msg), copy=False)
+    def send(self, msg) -> bool:
+        """Queue `msg` for the core without ever blocking; False if the core is gone (a PUSH
+        socket with no peer would otherwise wait forever)."""
+        try:
+            self.to_core.send(encoder.encode(msg), flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
 
     async def recv(self, timeout_ms: int):
         """The next message from the core, or None after `timeout_ms` of silence."""
@@ -284,10 +312,7 @@ class EngineCoreClient:
     def close(self, timeout: float = 10.0) -> None:
         """Ask the core to stop, wait for it, and make sure it is gone."""
         if self.is_alive:
-            try:
-                self.send(Shutdown())
-            except zmq.ZMQError:
-                pass
+            self.send(Shutdown())
         if self.thread is not None:
             self.thread.join(timeout)
         else:
