@@ -60,8 +60,8 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig):
         from minipaged.engine.llm_engine import LLMEngine
-        self.engine = LLMEngine(config)
-        self.engine.stream_outputs = True  # every step reports each request that got a token
+        self.engine = LLMEngine(config)  # step() returns finished requests; the rest is read
+        # from the live sequences (`_live_delta`): no RequestOutput per token per request
         self.sent: dict[str, list[int]] = {}  # request id -> tokens sent so far, per sample
         self.first_scheduled: dict[str, float] = {}
         self._last_record = None  # the newest StepRecord already looked at
@@ -113,8 +113,33 @@ class EngineCore:
     def step(self) -> StepOutputs:
         outputs = self.engine.step()
         self._note_scheduled()
-        return StepOutputs([d for out in outputs if (d := self._delta(out)) is not None],
-                           self.stats())
+        deltas = [d for out in outputs if (d := self._delta(out)) is not None]  # finished
+        for rid, sent in self.sent.items():  # still running: their new tokens, if any
+            if (d := self._live_delta(rid, sent)) is not None:
+                deltas.append(d)
+        return StepOutputs(deltas, self.stats())
+
+    def _live_delta(self, request_id: str, sent: list[int]) -> Optional[RequestDelta]:
+        eng = self.engine
+        group = eng.groups.get(request_id)
+        seqs = group.seqs if group is not None else [eng.requests.get(request_id)]
+        completions = []
+        for seq in seqs:
+            if seq is None:
+                continue
+            start, end = sent[seq.index], seq.num_output_tokens
+            if end > start:
+                lps = None
+                if seq.logprobs is not None:
+                    lps = [[(tid, lp.logprob, lp.rank) for tid, lp in entry.items()]
+                           for entry in seq.logprobs[start:end]]
+                completions.append(CompletionDelta(
+                    seq.index, seq.output_token_ids[start:end], lps,
+                    seq.cumulative_logprob if lps is not None else None))
+                sent[seq.index] = end
+        if not completions:
+            return None
+        return RequestDelta(request_id, completions, num_cached_tokens=seqs[0].num_cached_tokens)
 
     def _note_scheduled(self) -> None:
         """When each request was first scheduled (queue time = that - arrival), from the trace."""
