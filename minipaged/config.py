@@ -17,10 +17,12 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Optional
 
 from minipaged.utils import cdiv
+from minipaged.validation import (SEED_MAX, SEED_MIN, check_bool, check_choice, check_float,
+                                  check_int, check_str)
 
 GiB = 1024 ** 3
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half", "float64")  # models.config._DTYPES
 ATTENTION_BACKENDS = ("torch_ref", "triton")
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -83,32 +85,44 @@ class EngineConfig:
                 "one byte per element, unscaled and clamped to +-448: twice the tokens per GiB, "
                 "half the bytes each decode step reads, at 3 mantissa bits",
         choices=KV_CACHE_DTYPES)
+    max_logprobs: int = _knob(
+        20, "most log-probabilities a request may ask for per token (SamplingParams.logprobs); "
+            "-1: no limit (up to the vocabulary)")
 
     def validate(self) -> None:
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+        """Every field's type and range (validation.py): a ValueError that starts with the
+        field's name, says what is allowed and shows the value."""
+        check_str("model", self.model)
+        check_str("tokenizer", self.tokenizer, optional=True)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_int("max_model_len", self.max_model_len, lo=1, optional=True,
+                  note=" (None: the model's max_position_embeddings)")
+        check_int("max_num_seqs", self.max_num_seqs, lo=1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, lo=1, optional=True)
+        check_int("block_size", self.block_size, lo=1)
+        if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
-        if self.max_num_seqs <= 0:
-            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.num_blocks is not None and self.num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode={self.preemption_mode!r}: choose 'recompute' "
-                             "(free the blocks, prefill again later) or 'swap' (copy the blocks "
-                             "to CPU memory and back)")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: choose one of "
-                             f"{KV_CACHE_DTYPES}")
-        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose one of "
-                             f"{ATTENTION_BACKENDS}")
-        if self.swap_space is not None and self.swap_space < 0:
-            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
-        if self.max_trace_len is not None and self.max_trace_len < 0:
-            raise ValueError(f"max_trace_len must be >= 0, got {self.max_trace_len}")
-        if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
-            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
+        check_float("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, lo_open=True)
+        check_int("num_blocks", self.num_blocks, lo=1, optional=True)
+        check_int("kv_cache_memory", self.kv_cache_memory, lo=1, optional=True, note=" (bytes)")
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES,
+                     note=" (recompute: free the blocks, prefill again later; swap: copy the "
+                          "blocks to CPU memory and back)")
+        check_float("swap_space", self.swap_space, lo=0, optional=True, note=" (GiB)")
+        check_int("num_cpu_blocks", self.num_cpu_blocks, lo=0, optional=True)
+        check_int("seed", self.seed, SEED_MIN, SEED_MAX)
+        check_str("device", self.device)
+        check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS,
+                     optional=True, note=" (None: the device's default)")
+        check_bool("fused_ops", self.fused_ops, optional=True)
+        check_int("max_trace_len", self.max_trace_len, lo=0, optional=True)
+        check_bool("record_block_tables", self.record_block_tables)
+        check_bool("enforce_eager", self.enforce_eager)
+        check_bool("async_scheduling", self.async_scheduling, optional=True)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        check_int("max_logprobs", self.max_logprobs, lo=-1, note=" (-1: no limit)")
 
     # --- every "auto", decided once --------------------------------------------------------
     def resolve(self, model_config) -> "EngineConfig":
@@ -151,8 +165,6 @@ class EngineConfig:
                 f"max_model_len={self.max_model_len} is larger than the model's "
                 f"max_position_embeddings={max_position_embeddings}: positions beyond the trained "
                 f"context give garbage. Use max_model_len <= {max_position_embeddings}.")
-        if self.max_model_len <= 0:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = (2048 if self.enable_chunked_prefill
                                            else max(self.max_model_len, 2048))

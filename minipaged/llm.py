@@ -12,6 +12,10 @@ its scheduler, block manager and trace for the lessons.
 `SamplingParams(n=4)` returns four `CompletionOutput`s per prompt (one prefill, four samples
 sharing its blocks), and `llm.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=32))`
 runs a beam search in the same engine (lesson 06).
+
+Bad input is refused before anything is queued (`RequestError`, naming the prompt). A request
+that fails while it runs raises `RequestError` too, once the call's other requests are aborted:
+the `LLM` is left holding nothing and serves the next call as before.
 """
 from __future__ import annotations
 
@@ -44,10 +48,13 @@ class LLM:
     def _normalize_prompts(prompts) -> list[PromptType]:
         if isinstance(prompts, (str, dict)):
             return [prompts]
-        prompts = list(prompts)
-        if prompts and all(isinstance(t, int) for t in prompts):
-            return [prompts]  # a single prompt given as token ids
-        return prompts
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise RequestError(f"prompts must be a string, a list of token ids, a "
+                               f"{{'prompt_token_ids': [...]}} dict, or a non-empty list of "
+                               f"these, got {prompts!r:.80}")
+        if not any(isinstance(p, (str, dict, list, tuple)) for p in prompts):
+            return [list(prompts)]  # a single prompt given as token ids (each checked later)
+        return list(prompts)
 
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -55,10 +62,11 @@ class LLM:
         prompts = self._normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
-                  else list(sampling_params))
+        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                  else [sampling_params] * len(prompts))  # add_request checks each one
         if len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+            raise ValueError(f"sampling_params must be one SamplingParams or a list of one per "
+                             f"prompt ({len(prompts)}), got a list of {len(params)}")
         return self._run(self._add(prompts, params), use_tqdm)
 
     def beam_search(self, prompts, params: BeamSearchParams,
@@ -92,28 +100,41 @@ class LLM:
         ids = [f"{next(self._counter)}" for _ in inputs]
         added = []
         try:
-            for rid, prompt, sp in zip(ids, inputs, params):
-                self.engine.add_request(rid, prompt, sp)
+            for i, (rid, prompt, sp) in enumerate(zip(ids, inputs, params)):
+                try:
+                    self.engine.add_request(rid, prompt, sp)
+                except RequestError as e:
+                    raise RequestError(f"prompt {i}: {e}") from None
                 added.append(rid)
-        except RequestError:
+        except BaseException:
             self.engine.abort_request(added)
             raise
         return ids
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every request is done. A request that fails (finish_reason "error")
+        raises `RequestError` naming its prompt, once this call's other requests are aborted:
+        the engine is left holding nothing, ready for the next call."""
         results: dict[str, RequestOutput] = {}
-        wanted = set(ids)
+        index = {rid: i for i, rid in enumerate(ids)}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
                    dynamic_ncols=True)
         n_out = 0
         try:
             while len(results) < len(ids):
                 for out in self.engine.step():
-                    if out.finished and out.request_id in wanted:
-                        results[out.request_id] = out
-                        n_out += sum(len(c.token_ids) for c in out.outputs)
-                        bar.update(1)
-                        bar.set_postfix_str(f"{n_out / max(bar.format_dict['elapsed'], 1e-9):.0f} tok/s")
+                    if out.request_id not in index or not out.finished:
+                        continue
+                    if out.error is not None:
+                        raise RequestError(f"prompt {index[out.request_id]} failed while it "
+                                           f"was generated: {out.error}")
+                    results[out.request_id] = out
+                    n_out += sum(len(c.token_ids) for c in out.outputs)
+                    bar.update(1)
+                    bar.set_postfix_str(f"{n_out / max(bar.format_dict['elapsed'], 1e-9):.0f} tok/s")
+        except BaseException:  # a failed request, an error in the model, or an interrupt
+            self.engine.abort_request([rid for rid in ids if rid not in results])
+            raise
         finally:
             bar.close()
         return [results[i] for i in ids]

@@ -5,6 +5,8 @@
     block_manager.py  the paged KV cache's bookkeeping: block tables, ref counts, prefix cache
     sequence.py       a request's tokens and state machine; `SequenceGroup` for n > 1 and beams
     output.py         stop checks, detokenizing, `RequestOutput`
+    processor.py      a request's prompt and parameters checked against the model before queueing
+    failures.py       a request that raises while it is stepped fails alone
     beam_search.py    beam search's rules (Hugging Face's), on top of sequence groups
     trace.py          one `StepRecord` per step, for the lessons' plots
 

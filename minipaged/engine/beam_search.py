@@ -51,12 +51,14 @@ partial block copies it (copy-on-write). Finished hypotheses keep only their tok
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from minipaged.sampling import Logprob
+from minipaged.validation import check_bool, check_float, check_int
 
 if TYPE_CHECKING:  # pragma: no cover
     from minipaged.engine.sequence import Sequence
@@ -74,15 +76,21 @@ class BeamSearchParams:
     early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
-        if self.beam_width < 1:
-            raise ValueError(f"beam_width must be at least 1, got {self.beam_width}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature != 0.0:
-            raise ValueError(f"temperature={self.temperature}: minipaged's beam search is "
-                             "deterministic (HF's do_sample=False); use temperature=0, or "
-                             "SamplingParams(n=...) for random samples")
-        if self.early_stopping not in (True, False, "never"):
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (validation.py); ValueError starting with the field's name."""
+        self.beam_width = check_int("beam_width", self.beam_width, lo=1)
+        self.max_tokens = check_int("max_tokens", self.max_tokens, lo=1)
+        self.ignore_eos = check_bool("ignore_eos", self.ignore_eos)
+        if not (isinstance(self.temperature, numbers.Real)
+                and not isinstance(self.temperature, bool) and self.temperature == 0):
+            raise ValueError(f"temperature must be 0 for beam search (deterministic: HF's "
+                             f"do_sample=False), got {self.temperature!r}; use temperature=0, or "
+                             f"SamplingParams(n=...) for random samples")
+        self.temperature = 0.0
+        self.length_penalty = check_float("length_penalty", self.length_penalty)
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got "
                              f"{self.early_stopping!r}")
 

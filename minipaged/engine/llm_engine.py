@@ -14,6 +14,10 @@ group's prompt is forked into its `n` samples when it samples its first token, a
 steps once every live beam has its logits. Swap preemption copies blocks to and from the CPU
 pool before the forward. None of it costs anything while no such request is in flight.
 
+A request is checked before it is queued (processor.py), and a request that raises while it is
+stepped (sampling, detokenizing, a stop check, its beam step) fails alone: `_fail` ends it with
+finish_reason "error" and frees its blocks, and the step goes on for the others (failures.py).
+
 This is the synchronous step. The GPU's fast paths are chosen once, when the engine is built
 (`EngineConfig.resolve`), and live in their own rooms: the worker (`worker/`) picks its input
 builder and CUDA graphs, the model its fused layers, and async scheduling
@@ -22,6 +26,7 @@ step t. `LLM` (llm.py) loops `step()` for offline batches; the server loops it i
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from typing import Iterable, Optional
@@ -30,10 +35,11 @@ import torch
 
 from minipaged.attention import get_attention_backend
 from minipaged.config import EngineConfig
-from minipaged.engine import groups
+from minipaged.engine import failures, groups, processor
 from minipaged.engine.beam_search import BeamSearchParams, BeamSearchState
 from minipaged.engine.block_manager import BlockManager
 from minipaged.engine.output import OutputProcessor, RequestOutput
+from minipaged.engine.processor import RequestError
 from minipaged.engine.scheduler import Scheduler, SchedulerOutput
 from minipaged.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.engine.trace import ScheduledEntry, StepRecord
@@ -46,9 +52,7 @@ from minipaged.worker.kv_cache import (allocate_kv_cache, block_bytes, determine
 from minipaged.worker.swap import (allocate_cpu_cache, determine_num_cpu_blocks, swap_in_blocks,
                                    swap_out_blocks)
 
-
-class RequestError(ValueError):
-    """A request that cannot be served; it fails alone and the engine keeps running."""
+logger = logging.getLogger("minipaged.engine")
 
 
 class LLMEngine:
@@ -138,27 +142,19 @@ class LLMEngine:
         `BeamSearchParams` queue a beam search (what `LLM.beam_search` does); `SamplingParams`
         with `n > 1` queue n samples of one prompt.
         """
-        params = sampling_params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenize(prompt)
-        else:
-            text, token_ids = None, list(prompt)
+        params = SamplingParams() if sampling_params is None else sampling_params
+        vocab = self.model_config.vocab_size
+        processor.validate_params(request_id, params, vocab, self.config.max_logprobs)
+        text, token_ids = processor.prompt_token_ids(request_id, prompt, vocab, self.tokenize)
         max_len = self.config.max_model_len
-        if not token_ids:
-            raise RequestError("the prompt is empty; give at least one token")
         if len(token_ids) >= max_len:
             raise RequestError(
                 f"request {request_id!r}: the prompt has {len(token_ids)} tokens, but max_model_len "
                 f"is {max_len}, which must also leave room for at least one generated token. "
                 f"Shorten the prompt to at most {max_len - 1} tokens, or raise max_model_len "
                 f"(the model allows up to {self.model_config.max_position_embeddings}).")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"request {request_id!r}: token ids {bad[:5]} are outside the "
-                               f"vocabulary [0, {vocab})")
         beam = None
         if isinstance(params, BeamSearchParams):
             self._check_group_fits(request_id, params.beam_width, "beam_width",
@@ -252,14 +248,54 @@ class LLMEngine:
         return [s.seq for s in sched.scheduled if s.samples]
 
     def _sample_and_process(self, logits: torch.Tensor, sampling: list[Sequence]):
+        outputs: list[RequestOutput] = []
+        finished: list[str] = []
         ready_beams: list[SequenceGroup] = []
         if self.groups:  # n > 1 or beam search in flight (lesson 06)
             logits, sampling, ready_beams = groups.split_groups(logits, sampling, self.scheduler)
-        sampler_out = self.sampler(logits, sampling) if sampling else None
-        outputs, finished = self._process(sampling, sampler_out)
+        sampler_out = None
+        if sampling:
+            sampler_out, sampling, errors = self._sample(logits, sampling)
+            for seq, exc in errors:
+                self._fail(seq, exc, outputs, finished)
+        self._process(sampling, sampler_out, outputs, finished)
         for group in ready_beams:
-            outputs += self._beam_step(group, finished)
+            try:
+                outputs += self._beam_step(group, finished)
+            except Exception as exc:  # this request's fault: it fails alone
+                self._fail(self.requests[group.request_id], exc, outputs, finished)
         return outputs, finished
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):
+        """Returns (the sampler's output, the sequences it holds tokens for, [(sequence, error)]
+        of the rows that raised). A raise in the batch is traced to its rows (failures.py)."""
+        generators = failures.save_generators(seqs)  # seeded rows: for a retry after a raise
+        try:
+            return self.sampler(logits, seqs), seqs, []
+        except Exception:
+            # Runs only after the batch raised: each row alone, so only the rows that raise fail.
+            done, errors = failures.sample_rows_alone(self.sampler, logits, seqs, generators)
+            return (failures.join_outputs([out for _, out in done]), [seq for seq, _ in done],
+                    errors)
+
+    def _fail(self, seq: Sequence, exc: Exception, outputs: list[RequestOutput],
+              finished: list[str]) -> None:
+        """End `seq`'s whole request with FINISHED_ERROR (every sample or beam), free its
+        blocks, and report it in this step's `outputs` and `finished`."""
+        root = self.requests.pop(seq.request_id, None)
+        if root is None:  # it has already failed this step (another of its samples)
+            return
+        group = self.groups.pop(seq.request_id, None)
+        error = failures.describe(exc)
+        logger.warning("request %r failed: %s", seq.request_id, error, exc_info=exc)
+        # The culprit, even if it had finished, and every other sequence still running.
+        live = failures.held_seqs(self.scheduler, seq.request_id)
+        for s in dict.fromkeys([seq] + live):
+            self.scheduler.finish(s, SequenceStatus.FINISHED_ERROR)
+            s.error = error
+        root.error, root.finished_time = error, time.time()
+        outputs.append(failures.error_output(self.output_processor, root, group, live))
+        finished.append(seq.request_id)
 
     def _beam_step(self, group: SequenceGroup, finished: list[str]) -> list[RequestOutput]:
         groups.beam_step(group, self.scheduler)
@@ -271,52 +307,59 @@ class LLMEngine:
             return [self.output_processor.make_group_output(group, root)] if self.stream_outputs else []
         if root is not None:
             root.finished_time = now
-        finished.append(group.request_id)
         out = self.output_processor.make_group_output(group, root)
+        finished.append(group.request_id)
         self.requests.pop(group.request_id, None)
         self.groups.pop(group.request_id, None)
         group.seqs = []
         return [out]
 
-    def _process(self, sampling: list[Sequence], sampler_out: Optional[SamplerOutput]):
-        """Append each sampled token, check stops, finish; returns (outputs, finished ids)."""
+    def _process(self, sampling: list[Sequence], sampler_out: Optional[SamplerOutput],
+                 outputs: list[RequestOutput], finished: list[str]) -> None:
+        """Append each sampled token, check stops, finish; adds to `outputs` and `finished`.
+        A raise while one request is processed fails that request alone (`_fail`)."""
         now = time.time()
-        outputs: list[RequestOutput] = []
-        finished: list[str] = []
         touched: dict[str, SequenceGroup] = {}  # groups with a sample this step
         out = self.output_processor
         for row, seq in enumerate(sampling):
-            if seq.is_finished:  # aborted, or stopped by a token read late (async scheduling)
+            if seq.is_finished:  # aborted, failed, or stopped by a token read late (async)
                 continue
-            token = sampler_out.token_ids[row]
-            seq.append_token(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            if sampler_out.logprobs and sampler_out.logprobs[row] is not None:
-                seq.logprobs.append(sampler_out.logprobs[row])
-                seq.cumulative_logprob += sampler_out.sampled_logprobs[row]
-            status = out.check_stop(seq, token)
-            if status is not None:
-                seq.finished_time = now
-                self.scheduler.finish(seq, status)
-            if seq.group is not None:  # one of n samples: the request ends with its last sample
-                touched[seq.request_id] = seq.group
-            elif status is not None:
-                self.requests.pop(seq.request_id, None)
-                finished.append(seq.request_id)
-                outputs.append(out.make_output(seq))
-            elif self.stream_outputs:
-                out.detokenize(seq)
-                outputs.append(out.make_output(seq))
+            try:
+                token = sampler_out.token_ids[row]
+                seq.append_token(token)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                if sampler_out.logprobs and sampler_out.logprobs[row] is not None:
+                    seq.logprobs.append(sampler_out.logprobs[row])
+                    seq.cumulative_logprob += sampler_out.sampled_logprobs[row]
+                status = out.check_stop(seq, token)
+                if status is not None:
+                    seq.finished_time = now
+                    self.scheduler.finish(seq, status)
+                if seq.group is not None:  # one of n samples: the request ends with its last
+                    touched[seq.request_id] = seq.group
+                elif status is not None:
+                    outputs.append(out.make_output(seq))
+                    self.requests.pop(seq.request_id, None)
+                    finished.append(seq.request_id)
+                elif self.stream_outputs:
+                    out.detokenize(seq)
+                    outputs.append(out.make_output(seq))
+            except Exception as exc:  # this request's fault: it fails alone
+                self._fail(seq, exc, outputs, finished)
         for rid, group in touched.items():
-            if group.is_finished:
-                self.requests.pop(rid, None)
-                self.groups.pop(rid, None)
-                finished.append(rid)
-                outputs.append(out.make_group_output(group, None))
-            elif self.stream_outputs:
-                outputs.append(out.make_group_output(group, None))
-        return outputs, finished
+            if rid not in self.requests:  # it failed this step
+                continue
+            try:
+                if group.is_finished:
+                    outputs.append(out.make_group_output(group, None))
+                    self.requests.pop(rid, None)
+                    self.groups.pop(rid, None)
+                    finished.append(rid)
+                elif self.stream_outputs:
+                    outputs.append(out.make_group_output(group, None))
+            except Exception as exc:
+                self._fail(group.seqs[0], exc, outputs, finished)
 
     def _record(self, sched: SchedulerOutput, finished: list[str], t0: float) -> None:
         bm = self.block_manager

@@ -238,7 +238,8 @@ SAMPLING_PROMPT = "Tom liked to"
 def next_token_logits(llm, prompt: str):
     """Last-token log-probabilities over the whole vocabulary, through the engine itself:
     `SamplingParams(logprobs=vocab_size)` returns the raw model log-probs of every token, and
-    log-probs are logits up to a constant (softmax cannot tell them apart)."""
+    log-probs are logits up to a constant (softmax cannot tell them apart). `llm` must allow that
+    many: `LLM(..., max_logprobs=-1)` (the default limit is vLLM's 20)."""
     import torch
     from minipaged import SamplingParams
     vocab = llm.engine.model_config.vocab_size
@@ -253,7 +254,7 @@ def next_token_logits(llm, prompt: str):
 def fig_sampling():
     from minipaged import LLM
     from minipaged.lessons import viz
-    llm = LLM("stories260K", max_model_len=256)
+    llm = LLM("stories260K", max_model_len=256, max_logprobs=-1)
     tok = llm.get_tokenizer()
     logits = next_token_logits(llm, SAMPLING_PROMPT)
     stages = viz.sampling_stages(logits, temperature=0.7, top_k=5, top_p=0.8, min_p=0.1)

@@ -1,11 +1,18 @@
 """`SamplingParams`: vLLM's per-request sampling fields and defaults, checked at construction.
 
-Lesson 04 explains each field; `sampler.py` applies them to a batch of logits rows.
+Lesson 04 explains each field; `sampler.py` applies them to a batch of logits rows. `validate`
+refuses, with a message that starts with the field's name, any value of the wrong type, NaN or
+infinity, or out of the range the sampler's tensors and generators hold (`validation.py`); the
+engine adds the checks that need the model (`engine/processor.py`: ids inside the vocabulary,
+`max_logprobs`; `n` within `max_num_seqs`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
+
+from minipaged.validation import (INT32_MAX, SEED_MAX, SEED_MIN, check_bool, check_float,
+                                  check_int, check_int_list)
 
 _GREEDY_EPS = 1e-5
 
@@ -29,45 +36,51 @@ class SamplingParams:
     logprobs: Optional[int] = None  # number of top log-probabilities to return per token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    detokenize: bool = True  # False: outputs carry token ids only (the server's engine core)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (validation.py) and normalize: numbers to int / float, `stop` to a
+        list, top_k -1 to 0. Raises ValueError starting with the field's name. The engine calls
+        it again when the request is added (a field may have been changed since)."""
+        self.n = check_int("n", self.n, lo=1)
+        self.presence_penalty = check_float("presence_penalty", self.presence_penalty, -2, 2)
+        self.frequency_penalty = check_float("frequency_penalty", self.frequency_penalty, -2, 2)
+        self.repetition_penalty = check_float("repetition_penalty", self.repetition_penalty,
+                                              lo=0, lo_open=True, note=" (1 = off)")
+        self.temperature = check_float("temperature", self.temperature, lo=0, note=" (0 = greedy)")
+        self.top_p = check_float("top_p", self.top_p, 0, 1, lo_open=True)
+        self.top_k = check_int("top_k", self.top_k, -1, INT32_MAX, note=" (0 or -1: all tokens)")
         if self.top_k == -1:
             self.top_k = 0
-        self._validate()
-
-    def _validate(self) -> None:
-        def bad(msg: str) -> None:
-            raise ValueError(msg)
-        if self.n < 1:
-            bad(f"n must be at least 1, got {self.n}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0.0:
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.temperature < 0.0:
-            bad(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            bad(f"top_k must be 0 or -1 (disabled) or a positive integer, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            bad(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            bad(f"min_tokens must be >= 0, got {self.min_tokens}")
+        self.min_p = check_float("min_p", self.min_p, 0, 1)
+        # Sample i of n draws from its own generator, seeded seed + i (sampler.py): all n seeds
+        # must be ones torch.Generator.manual_seed takes.
+        self.seed = check_int("seed", self.seed, SEED_MIN, SEED_MAX - (self.n - 1), optional=True,
+                              note=f" (sample i of n={self.n} uses seed + i)" if self.n > 1 else "")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and not (isinstance(self.stop, (list, tuple)) and all(
+                isinstance(s, str) and s for s in self.stop)):
+            raise ValueError(f"stop must be None, a non-empty string or a list of non-empty "
+                             f"strings, got {self.stop!r}")
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = check_int_list("stop_token_ids", self.stop_token_ids, lo=0,
+                                             optional=True) or []
+        self.ignore_eos = check_bool("ignore_eos", self.ignore_eos)
+        self.max_tokens = check_int("max_tokens", self.max_tokens, lo=1, optional=True,
+                                    note=" (None: up to max_model_len)")
+        self.min_tokens = check_int("min_tokens", self.min_tokens, lo=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and self.logprobs < 0:
-            bad(f"logprobs must be >= 0, got {self.logprobs}")
-        if any(not s for s in self.stop):
-            bad("stop strings must not be empty")
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got "
+                             f"{self.min_tokens}")
+        self.logprobs = check_int("logprobs", self.logprobs, lo=0, optional=True)
+        self.skip_special_tokens = check_bool("skip_special_tokens", self.skip_special_tokens)
+        self.include_stop_str_in_output = check_bool("include_stop_str_in_output",
+                                                     self.include_stop_str_in_output)
+        self.detokenize = check_bool("detokenize", self.detokenize)
 
     @property
     def greedy(self) -> bool:

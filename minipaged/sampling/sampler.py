@@ -144,9 +144,10 @@ class Sampler:
         else:
             scaled = logits / to_device(temps, device, torch.float32)[:, None]
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+            vocab = logits.shape[1]  # a top_k above the vocabulary keeps every token
             scaled = apply_top_k_top_p_min_p(
                 scaled,
-                to_device([p.top_k for p in params], device, torch.int64),
+                to_device([min(p.top_k, vocab) for p in params], device, torch.int64),
                 to_device([p.top_p for p in params], device, torch.float32),
                 to_device([p.min_p for p in params], device, torch.float32))
         probs = scaled.softmax(dim=-1)
@@ -175,7 +176,8 @@ class Sampler:
 
     @staticmethod
     def _gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params, out: SamplerOutput):
-        k_max = max(p.logprobs or 0 for p in params if p.logprobs is not None)
+        # At most the whole vocabulary (max_logprobs=-1 lets a request ask for more).
+        k_max = min(max(p.logprobs or 0 for p in params if p.logprobs is not None), raw.shape[1])
         sampled_lp = raw.gather(1, tokens[:, None]).squeeze(1)  # (rows,)
         # rank = 1 + number of tokens strictly more likely than the sampled one
         ranks = (raw > sampled_lp[:, None]).sum(dim=-1) + 1

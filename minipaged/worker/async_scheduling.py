@@ -19,7 +19,8 @@ The whole protocol lives in this file; the host's sequences only ever hold token
 
 A sequence that turns out to have stopped (EOS, a stop string) has computed one token in vain;
 that token is dropped when it is read. Steps that need their tokens at once (logprobs,
-penalties, n > 1, beams) run synchronously.
+penalties, n > 1, beams) run synchronously, and so does a step whose sampler raised: there the
+engine finds the rows that raise and fails their requests alone (engine/failures.py).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from minipaged.engine import failures
 from minipaged.engine.output import RequestOutput
 from minipaged.engine.scheduler import Scheduler
 from minipaged.engine.sequence import Sequence, SequenceStatus
@@ -108,7 +110,10 @@ class AsyncScheduling:
         engine.has_unfinished_requests = self.has_unfinished_requests
 
     def has_unfinished_requests(self) -> bool:
-        return self.engine.scheduler.has_unfinished() or self.pending is not None
+        """Tokens in flight count only for sequences that are still unfinished (an aborted or
+        failed request's pending token is dropped when it is read)."""
+        return self.engine.scheduler.has_unfinished() or (
+            self.pending is not None and any(not s.is_finished for s in self.pending.seqs))
 
     def can_defer(self, sampling: list[Sequence]) -> bool:
         """Tokens can be read a step late unless something needs them (or their logprobs) now."""
@@ -135,8 +140,8 @@ class AsyncScheduling:
         # The forward is queued on the GPU; nothing below waits for it until tokens are read.
         logits = eng.model_runner.execute(sched, self.pending)
         sampling = eng._computed(sched)
-        if sampling and self.can_defer(sampling):
-            pending = PendingStep(sampling, eng.sampler.sample(logits, sampling))
+        pending = self.sample(logits, sampling) if sampling and self.can_defer(sampling) else None
+        if pending is not None:
             for seq in sampling:
                 eng.scheduler.token_sampled(seq)
             outputs, finished = self.read_pending()  # the previous step's, while this one runs
@@ -154,6 +159,16 @@ class AsyncScheduling:
         eng._record(sched, finished + more_finished, t0)
         return outputs + more_outputs
 
+    def sample(self, logits: torch.Tensor, sampling: list[Sequence]) -> Optional[PendingStep]:
+        """This step's tokens, left on the device. None if the sampler raised: the step is then
+        sampled again synchronously, where a row that raises fails alone (engine/failures.py)."""
+        generators = failures.save_generators(sampling)
+        try:
+            return PendingStep(sampling, self.engine.sampler.sample(logits, sampling))
+        except Exception:
+            failures.restore_generators(generators)  # the retry draws what this call drew
+            return None
+
     def read_pending(self) -> tuple[list[RequestOutput], list[str]]:
         """Read the previous step's tokens and process them as a synchronous step would have."""
         pending, self.pending = self.pending, None
@@ -164,4 +179,7 @@ class AsyncScheduling:
         self.engine._wait_time += time.perf_counter() - t0
         for seq in pending.seqs:
             self.engine.scheduler.token_read(seq)
-        return self.engine._process(pending.seqs, SamplerOutput(token_ids=tokens))
+        outputs: list[RequestOutput] = []
+        finished: list[str] = []
+        self.engine._process(pending.seqs, SamplerOutput(token_ids=tokens), outputs, finished)
+        return outputs, finished

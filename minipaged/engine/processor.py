@@ -1,0 +1,63 @@
+"""Before a request is queued: its prompt and parameters checked against the model (vLLM V1's
+`Processor`, the input side; `output.py`'s `OutputProcessor` is the output side).
+
+`SamplingParams` and `BeamSearchParams` check their own fields when they are built
+(`minipaged/validation.py`); `LLMEngine.add_request` checks them again (a field may have been
+changed since) and adds what needs the model and the config: a prompt is text or a list of
+integer token ids inside the vocabulary, stop token ids are inside the vocabulary, and `logprobs`
+is within `max_logprobs`. A request that fails a check raises `RequestError` and nothing is
+queued (lesson 07: a request's fault is that request's alone).
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Callable, Optional
+
+from minipaged.engine.beam_search import BeamSearchParams
+from minipaged.sampling import SamplingParams
+
+
+class RequestError(ValueError):
+    """A request that cannot be served; it fails alone and the engine keeps running."""
+
+
+def prompt_token_ids(request_id: str, prompt, vocab_size: int,
+                     tokenize: Callable[[str], list[int]]) -> tuple[Optional[str], list[int]]:
+    """(text or None, token ids) of a prompt given as text or as a list of token ids."""
+    if isinstance(prompt, str):
+        return prompt, tokenize(prompt)
+    if not isinstance(prompt, (list, tuple)):
+        raise RequestError(f"prompt must be a string or a list of token ids, got "
+                           f"{prompt!r:.80} (request {request_id!r})")
+    if not prompt:
+        raise RequestError("the prompt is empty; give at least one token")
+    for i, t in enumerate(prompt):
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab_size}), got "
+                               f"{t!r:.80} at position {i} (request {request_id!r})")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"request {request_id!r}: token ids {bad[:5]} are outside the "
+                           f"vocabulary [0, {vocab_size})")
+    return None, [int(t) for t in prompt]
+
+
+def validate_params(request_id: str, params, vocab_size: int, max_logprobs: int) -> None:
+    """The fields once more, then the checks that need the model and the config."""
+    if not isinstance(params, (SamplingParams, BeamSearchParams)):
+        raise RequestError(f"sampling_params must be SamplingParams or BeamSearchParams, got "
+                           f"{type(params).__name__} (request {request_id!r})")
+    try:
+        params.validate()
+    except ValueError as e:
+        raise RequestError(f"{e} (request {request_id!r})") from None
+    if isinstance(params, BeamSearchParams):
+        return
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise RequestError(f"stop_token_ids must be inside the vocabulary [0, {vocab_size}), "
+                           f"got {bad[:5]} (request {request_id!r})")
+    if params.logprobs is not None and 0 <= max_logprobs < params.logprobs:
+        raise RequestError(f"logprobs must be <= max_logprobs ({max_logprobs}), got "
+                           f"{params.logprobs} (request {request_id!r}); raise max_logprobs "
+                           f"(-1: no limit) to ask for more")
