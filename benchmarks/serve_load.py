@@ -27,13 +27,14 @@ request when the previous one finished (a closed loop, like vLLM's `--max-concur
         (`itl_mean_ms` in the JSON: each request's mean gap, the offline engine's definition)
 * preemptions and the peak of running / waiting requests, from the server's /metrics
 
-The load generator must not be what it measures. Parsing a server-sent-events stream costs the
-client about as much CPU per token as the server spends sending it, and one asyncio process
-driving 256 streams was seen at 84% of a core on an H200, close to being the bottleneck, and one
-driving 64 streams at 7,400 tok/s at 73%. A client that falls behind also reads its streams in
-bursts, so the gaps it sees are not the server's (one process at 256 streams measured an ITL p50
-of 0.03 ms). So the C workers run in K client *processes* (`--clients`, default ceil(C / 32): at
-most 32 streams each), each with its own event loop and httpx client. Request i goes to client i % K, and each client's
+The load generator must not be what it measures. Reading a server-sent-events stream through
+httpx costs the client about 110-130 us of CPU per streamed token (measured on the H200 box), so
+one asyncio process saturates near 8,000 tok/s, whatever its number of streams: one process
+driving 256 streams was seen at 84-87% of a core. A client that falls behind also reads its
+streams in bursts, so the gaps it sees are not the server's (that process measured an ITL p50 of
+0.03 ms). So the C workers run in K client *processes* (`--clients`; default min(C, half the
+CPUs, 16): 8 on a 16-core H200 box, where 22,000 tok/s is under 40% of a core each), each with
+its own event loop and httpx client. Request i goes to client i % K, and each client's
 workers take its requests in order (so every request is sent exactly once and the split does not
 depend on timing); client k runs C // K workers, one more if k < C % K. The clients connect first,
 then start together on one Event; a level lasts from that start to the last client's end (both
@@ -77,7 +78,6 @@ import argparse
 import asyncio
 import hashlib
 import json
-import math
 import multiprocessing as mp
 import os
 import platform
@@ -102,7 +102,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # minipaged (and torch) are imported inside the functions that need them: the client processes
 # import this file too, and a client needs httpx only.
 
-STREAMS_PER_CLIENT = 32  # --clients default: ceil(C / 32) processes
+MAX_DEFAULT_CLIENTS = 16  # --clients default: min(C, half the CPUs, 16) processes
 CLIENT_CPU_WARN = 70.0  # % of one core
 # The bars the served path is judged by, against the offline engine in the same run.
 BAR_THROUGHPUT = 0.85  # serve tok/s >= 85% of offline, at the largest concurrency level
@@ -342,8 +342,11 @@ def split_load(num_requests: int, concurrency: int, clients: int) -> list[tuple[
             for j in range(k)]
 
 
-def default_clients(concurrency: int) -> int:
-    return max(1, math.ceil(concurrency / STREAMS_PER_CLIENT))
+def default_clients(concurrency: int, cpus: Optional[int] = None) -> int:
+    """One process per stream up to half the machine's CPUs (the other half is the server's):
+    a client's cost follows the tokens/s it reads, not its number of streams."""
+    cpus = cpus or os.cpu_count() or 2
+    return max(1, min(concurrency, cpus // 2, MAX_DEFAULT_CLIENTS))
 
 
 def _collect(q, procs: list, n: int, what: str, timeout: float) -> list:
@@ -699,7 +702,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="comma-separated in-flight request counts")
     ap.add_argument("--clients", type=int, default=None,
                     help=f"client processes per level (at most the concurrency); default: "
-                         f"ceil(concurrency / {STREAMS_PER_CLIENT})")
+                         f"min(concurrency, half the CPUs, {MAX_DEFAULT_CLIENTS})")
     ap.add_argument("--single-requests", type=int, default=16,
                     help="concurrency-1 levels and the offline one-at-a-time run send the first "
                          "N requests of the workload (0: all)")

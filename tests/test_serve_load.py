@@ -25,7 +25,8 @@ def test_split_load_sends_every_request_once_and_spreads_the_workers():
         for j, (idx, _) in enumerate(shares):
             assert all(i % len(shares) == j for i in idx)
     assert [w for _, w in sl.split_load(100, 10, 4)] == [3, 3, 2, 2]
-    assert [sl.default_clients(c) for c in (1, 32, 33, 64, 256)] == [1, 1, 2, 2, 8]
+    assert [sl.default_clients(c, cpus=16) for c in (1, 4, 64, 256)] == [1, 4, 8, 8]
+    assert sl.default_clients(64, cpus=2) == 1 and sl.default_clients(256, cpus=128) == 16
 
 
 def test_salts_change_one_early_token_and_keep_lengths():
