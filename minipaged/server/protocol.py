@@ -94,7 +94,7 @@ class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
         ..., description="text, a list of texts, token ids, or a list of token-id lists")
     max_tokens: Optional[int] = Field(16, description="OpenAI's default for completions is 16")
-    logprobs: Optional[int] = Field(None, ge=0, le=20,
+    logprobs: Optional[int] = Field(None, ge=0,
                                     description="return the top-N log-probabilities per token")
     echo: bool = Field(False, description="not supported (400 if true)")
     suffix: Optional[str] = Field(None, description="not supported (400 if set)")
@@ -138,7 +138,7 @@ class ChatCompletionRequest(SamplingFields):
                                       "max_completion_tokens; default: up to max_model_len")
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    top_logprobs: Optional[int] = Field(None, ge=0, description="at most the server's --max-logprobs")
     tools: Optional[list[dict[str, Any]]] = Field(None, description="not supported (400 if set)")
     # vLLM extensions
     chat_template: Optional[str] = Field(None, description="a Jinja template for this request")
