@@ -165,8 +165,15 @@ def test_n_and_seed(client, server):
                                       temperature=1.0, **kw)
         return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
 
+    server.wait_idle()
+    first_step = len(server.engine.trace)  # (the module's server keeps every step)
     a = sample(n=3, seed=7)
     assert len(a) == 3 and len(set(a)) > 1  # seeds 7, 8, 9: different samples
+    # one engine request with n = 3: its prompt is prefilled once and the samples share it
+    steps = list(server.engine.trace)[first_step:]
+    prefilled = sum(e.num_prefill_tokens + e.num_cached_tokens for r in steps for e in r.scheduled)
+    assert prefilled == len(server.engine.tokenize(PROMPT))  # (computed or found in the cache)
+    assert max(r.num_blocks_saved_by_sharing for r in steps) > 0
     assert sample(n=3, seed=7) == a  # ... and reproducible
     assert sample(seed=8) == [a[1]]  # choice i of seed s is request seed s + i
     # a list of prompts times n: choice index = prompt index * n + sample index

@@ -100,7 +100,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
             return f"the request body is not valid JSON: {err.get('msg')}", None
         where = ".".join(loc) or "body"
         param = param or where
-        parts.append(f"{where}: {err.get('msg')}")
+        parts.append(f"{where}: {str(err.get('msg')).removeprefix('Value error, ')}")
     return "invalid request: " + "; ".join(parts), param
 
 

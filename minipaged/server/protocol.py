@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 def random_id(prefix: str) -> str:
@@ -99,6 +99,22 @@ class CompletionRequest(SamplingFields):
     echo: bool = Field(False, description="not supported (400 if true)")
     suffix: Optional[str] = Field(None, description="not supported (400 if set)")
     best_of: Optional[int] = Field(None, description="only None or equal to n")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value):
+        """One readable message instead of pydantic's four (one per member of the union)."""
+        def token_ids(xs) -> bool:
+            return all(isinstance(t, int) and not isinstance(t, bool) for t in xs)
+        ok = (isinstance(value, str)
+              or (isinstance(value, list) and (token_ids(value)
+                                               or all(isinstance(p, str) for p in value)
+                                               or all(isinstance(p, list) and token_ids(p)
+                                                      for p in value))))
+        if not ok:
+            raise ValueError(f"must be text, a list of texts, a list of token ids (integers) or "
+                             f"a list of such lists; got {str(value)[:80]}")
+        return value
 
 
 class CompletionLogprobs(OpenAIBaseModel):

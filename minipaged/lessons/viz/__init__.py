@@ -19,7 +19,8 @@ Which file draws what, and which lessons show it:
 - `timeline.py`: Gantt charts of batches (static batching in lesson 00, continuous in lesson 03),
   KV cache utilisation over time (lesson 03) and the step slider `trace_explorer` (lesson 02).
 - `charts.py`: throughput (lessons 00, 03, 08), a decode step's breakdown (lesson 08), KV cache
-  size (lesson 00), sampling stages and token distributions (lesson 04).
+  size (lesson 00), sampling stages and token distributions (lesson 04), the served path beside
+  the offline engine (lesson 07).
 - `common.py`: the colours and the small helpers the others share.
 
 Plain matplotlib; ipywidgets only inside the two explorer functions, which fall back to a static
@@ -31,7 +32,8 @@ from __future__ import annotations
 from minipaged.lessons.viz.blocks import (BlockTableView, plot_block_tables,
                                           view_from_block_manager, view_from_trace)
 from minipaged.lessons.viz.charts import (DECODE_PARTS, plot_decode_breakdown,
-                                          plot_kv_cache_size, plot_throughput,
+                                          plot_kv_cache_size, plot_serve_vs_offline,
+                                          plot_throughput, serve_vs_offline_rows,
                                           plot_token_distributions, sampling_stages)
 from minipaged.lessons.viz.common import (CACHED_COLOR, CATEGORY_COLORS, FREE_COLOR, OWNER_COLORS,
                                           SHARED_COLOR, STATE_COLORS, STATE_LABELS, owner_color)
@@ -46,7 +48,8 @@ __all__ = ["BlockTableView", "view_from_block_manager", "view_from_trace", "plot
            "plot_memory_waste", "plot_waste_over_time", "block_size_tradeoff",
            "plot_block_size_tradeoff", "static_batching_timeline", "plot_gantt",
            "plot_batch_gantt", "plot_static_vs_continuous", "gantt_utilisation",
-           "plot_kv_utilization", "plot_throughput", "plot_decode_breakdown", "plot_kv_cache_size",
+           "plot_kv_utilization", "plot_throughput", "plot_decode_breakdown",
+           "plot_serve_vs_offline", "serve_vs_offline_rows", "plot_kv_cache_size",
            "sampling_stages", "plot_token_distributions", "trace_explorer", "block_size_explorer",
            "owner_color", "OWNER_COLORS", "SHARED_COLOR", "CACHED_COLOR", "FREE_COLOR",
            "CATEGORY_COLORS", "STATE_COLORS", "STATE_LABELS", "DECODE_PARTS"]

@@ -180,3 +180,40 @@ def plot_token_distributions(stages: Mapping[str, "object"], token_labels: Seque
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
+
+
+# --- lesson 07: the served path beside the offline engine ------------------------------------
+def serve_vs_offline_rows(runs: Sequence[tuple[str, Mapping]], concurrency: int = 256) -> list:
+    """(label, offline tok/s, [served tok/s of each run at `concurrency`]) per serve_load JSON
+    (`benchmarks/serve_load.py --offline`: both sides measured in the same invocation)."""
+    rows = []
+    for label, data in runs:
+        offline = data["offline"]["batch"]["output_tokens_per_sec"]  # (the median of repeats)
+        served = [lv["output_tokens_per_sec"] for lv in data["levels"]
+                  if lv["concurrency"] == concurrency]
+        rows.append((label, offline, served))
+    return rows
+
+
+def plot_serve_vs_offline(rows: Sequence[tuple[str, float, Sequence[float]]], title: str,
+                          ax=None):
+    """Bars: the offline engine's output tok/s and the server's (every run), per server design,
+    with the served / offline ratio written on top."""
+    fig, ax, own = _figure(ax, (8.5, 3.8))
+    x = list(range(len(rows)))
+    ax.bar([i - 0.2 for i in x], [r[1] for r in rows], width=0.38, color="#bdbdbd",
+           label="offline engine (same run)")
+    for i, (_, offline, served) in enumerate(rows):
+        for j, s in enumerate(served):
+            ax.bar(i + 0.2 - 0.19 + (j + 0.5) * 0.38 / len(served), s, width=0.38 / len(served),
+                   color="#3182bd", label="minipaged serve" if i == j == 0 else None)
+        mid = sorted(served)[len(served) // 2]
+        ax.text(i + 0.2, max(served) * 1.02, f"{mid / offline:.2f}x", ha="center", fontsize=9)
+    ax.set_xticks(x, [r[0] for r in rows], fontsize=8)
+    ax.set_ylabel("output tokens/s")
+    ax.set_ylim(0, 1.3 * max(max(r[1], *r[2]) for r in rows))
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="upper center", ncol=2)
+    if own:
+        fig.tight_layout()
+    return fig
