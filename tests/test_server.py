@@ -389,6 +389,20 @@ def test_engine_crash_fails_its_requests():
         llm.shutdown()
 
 
+def test_prompt_preprocessing_has_a_time_bound(server, monkeypatch):
+    """A chat template that renders for longer than the bound is a 400, not a stuck request."""
+    monkeypatch.setattr(server.app.state.llm, "preprocess_timeout", 0.2)
+    heavy = ("{% set ns = namespace(x=0) %}{% for i in range(6000) %}{% for j in range(100) %}"
+             "{% set ns.x = ns.x + j %}{% endfor %}{% endfor %}" + TEMPLATE)
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}"},
+                   json={"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4,
+                         "chat_template": heavy})
+    assert r.status_code == 400, r.text
+    assert "took longer than 0.2 s" in r.json()["error"]["message"]
+    server.wait_idle()
+
+
 def test_metrics_and_health(server):
     r = httpx.get(server.url + "/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")

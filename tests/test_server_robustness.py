@@ -408,3 +408,14 @@ def test_a_dead_engine_core_is_503_not_a_hang():
         assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
     finally:
         s.stop()
+
+
+def test_the_engine_core_exits_when_the_api_server_dies():
+    s = ServeProcess("--num-blocks", "32")
+    (core,) = _children(s.proc.pid)
+    s.proc.kill()  # SIGKILL: no shutdown handler runs, nobody tells the core
+    s.proc.wait(10)
+    deadline = time.time() + 15
+    while os.path.exists(f"/proc/{core}") and open(f"/proc/{core}/stat").read().split()[2] != "Z":
+        assert time.time() < deadline, "the engine core outlived its API server"
+        time.sleep(0.1)
