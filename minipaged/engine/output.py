@@ -6,13 +6,15 @@
     detokenize(seq)          bring `seq.output_text` up to date (streaming, stop strings)
     make_output(seq)         a `RequestOutput` holding one `CompletionOutput` per sample
 
-Text is decoded incrementally while a request runs (a few tokens per step, vLLM's offsets) and
+Text is decoded incrementally while a request runs (tokenizers' `DecodeStream`) and
 once, whole, when it finishes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
+
+from tokenizers.decoders import DecodeStream
 
 from minipaged.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.sampling import Logprob
@@ -62,25 +64,26 @@ def detokenize(tokenizer, prompt_ids: list[int], output_ids: list[int], skip_spe
     return tokenizer.decode(output_ids, skip_special_tokens=skip_special)
 
 
-def detokenize_incrementally(tokenizer, seq: Sequence, final: bool = False) -> None:
-    """Append the text of `seq`'s newest tokens to `seq.output_text` (vLLM's offsets).
+def detokenize_incrementally(tokenizer, seq: Sequence) -> None:
+    """Append the text of `seq`'s newest tokens to `seq.output_text`.
 
-    Decoding the whole output at every step costs O(length) per token; this decodes only a short
-    window: the tokens not yet turned into text plus those of the last piece of text before them
-    (so sentencepiece's leading spaces come out right). A token that ends in the middle of a
-    multi-byte character ("\ufffd") waits for the next one, unless this is the `final` call.
+    Decoding the whole output at every step costs O(length) per token; tokenizers' `DecodeStream`
+    decodes only what is new, with the tokens before it as context (so sentencepiece's leading
+    spaces come out right), and holds back a token that ends in the middle of a multi-byte
+    character until the next one completes it. A forked sequence starts its own stream from the
+    tokens whose text it already has.
     """
-    ids = seq.token_ids  # prompt + output
-    skip = seq.sampling_params.skip_special_tokens
-    if seq.detok_read_offset < 0:  # first call: the window starts in the prompt's last tokens
-        seq.detok_read_offset = seq.num_prompt_tokens
-        seq.detok_prefix_offset = max(seq.num_prompt_tokens - 4, 0)
-    prefix_text = tokenizer.decode(ids[seq.detok_prefix_offset:seq.detok_read_offset],
-                                   skip_special_tokens=skip)
-    new_text = tokenizer.decode(ids[seq.detok_prefix_offset:], skip_special_tokens=skip)
-    if len(new_text) > len(prefix_text) and (final or not new_text.endswith("\ufffd")):
-        seq.output_text += new_text[len(prefix_text):]
-        seq.detok_prefix_offset, seq.detok_read_offset = seq.detok_read_offset, len(ids)
+    if seq.detok_stream is None:
+        if seq.detok_read_offset < 0:
+            seq.detok_read_offset = seq.num_prompt_tokens
+        seq.detok_stream = DecodeStream(ids=seq.token_ids[:seq.detok_read_offset],
+                                        skip_special_tokens=seq.sampling_params.skip_special_tokens)
+    new = seq.token_ids[seq.detok_read_offset:]
+    if new:
+        chunk = seq.detok_stream.step(tokenizer.backend_tokenizer, new)
+        seq.detok_read_offset = seq.num_tokens
+        if chunk:
+            seq.output_text += chunk
 
 
 def find_stop_string(text: str, searched: int, stops: list[str],
@@ -150,13 +153,13 @@ class OutputProcessor:
             detokenize_incrementally(self.tokenizer, seq)
 
     def final_text(self, seq: Sequence) -> None:
-        """The finished text: decoded in one go if it never streamed; else the streamed text
-        and the rest (a trailing partial character included), so the two always agree."""
-        if seq.detok_read_offset < 0:
-            seq.output_text = self.text(seq, seq.output_token_ids,
-                                        seq.sampling_params.skip_special_tokens)
-        else:
-            detokenize_incrementally(self.tokenizer, seq, final=True)
+        """The finished text, decoded in one go. If it streamed, that text extends what was
+        streamed (a trailing partial character the stream held back, if any); in the odd case
+        where a tokenizer's whole decode disagrees with its stream, the streamed text stays, so
+        a streamed response and its final text always agree."""
+        full = self.text(seq, seq.output_token_ids, seq.sampling_params.skip_special_tokens)
+        if seq.detok_read_offset < 0 or full.startswith(seq.output_text):
+            seq.output_text = full
 
     def text(self, seq: Sequence, output_ids: list[int], skip_special: bool) -> str:
         if self.tokenizer is None:

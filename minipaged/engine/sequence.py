@@ -68,9 +68,9 @@ class Sequence:
     cumulative_logprob: float = 0.0
     logprobs: Optional[list[dict[int, "Logprob"]]] = None
     output_text: str = ""
-    # Incremental detokenization (output.detokenize_incrementally): token_ids[prefix:read] is the
-    # window whose text is already in output_text; -1 until the first call.
-    detok_prefix_offset: int = -1
+    # Incremental detokenization (output.detokenize_incrementally): tokenizers' DecodeStream, fed
+    # token_ids[:detok_read_offset] so far (-1 until the first call). Not shared by forks.
+    detok_stream: Optional[object] = field(default=None, repr=False)
     detok_read_offset: int = -1
     stop_searched_len: int = 0  # output_text[:this] has been searched for stop strings
     stop_reason: Optional[int | str] = None
@@ -131,6 +131,7 @@ class Sequence:
         """A copy with its own token lists and a new `seq_id` (the KV blocks are shared by
         `BlockManager.fork`, not here). Its RNG starts afresh from `seed + index`."""
         return replace(self, seq_id=next(_seq_counter), index=index, generator=None,
+                       detok_stream=None,
                        output_token_ids=list(self.output_token_ids), token_ids=list(self.token_ids),
                        logprobs=None if self.logprobs is None else list(self.logprobs))
 
