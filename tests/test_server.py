@@ -8,6 +8,7 @@ scheduler) as well as at /metrics. tests/test_server_robustness.py runs `minipag
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import socket
 import threading
@@ -416,12 +417,42 @@ def test_metrics_and_health(server):
 
 
 def test_docs_and_openapi(server):
-    r = httpx.get(server.url + "/docs")
-    assert r.status_code == 200 and "text/html" in r.headers["content-type"]
-    assert "swagger" in r.text.lower()
-    paths = httpx.get(server.url + "/openapi.json").json()["paths"]
+    import re
+    for page, marker in (("/docs", "swagger"), ("/redoc", "redoc")):
+        r = httpx.get(server.url + page)
+        assert r.status_code == 200 and "text/html" in r.headers["content-type"]
+        assert marker in r.text.lower()
+        # every script and stylesheet comes from this server (no CDN): the page works offline
+        assets = re.findall(r"""(?:src|href)=["']([^"']+\.(?:js|css))["']""", r.text)
+        assert assets, r.text
+        for url in assets:
+            assert url.startswith("/"), f"{page} loads {url} from elsewhere"
+            asset = httpx.get(server.url + url)
+            assert asset.status_code == 200 and len(asset.content) > 10_000
+    schema = httpx.get(server.url + "/openapi.json").json()
+    paths = schema["paths"]
     assert {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health",
-            "/metrics"} <= set(paths)
+            "/metrics", "/tokenize", "/detokenize", "/version"} <= set(paths)
+    # it documents what the server answers: 400 with OpenAI's error shape, never FastAPI's 422
+    assert '"422"' not in json.dumps(schema)
+    bad = paths["/v1/completions"]["post"]["responses"]["400"]
+    assert bad["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+
+
+def test_docs_render_in_headless_chromium(server):
+    """Swagger UI draws its operations with JavaScript: only a browser shows it works offline."""
+    playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    with playwright.sync_playwright() as p:
+        try:
+            browser = p.chromium.launch()
+        except Exception as e:  # noqa: BLE001 - no browser binary on this machine
+            pytest.skip(f"no headless chromium: {e}")
+        page = browser.new_page()
+        page.route("**/*", lambda route: route.continue_() if route.request.url.startswith(
+            server.url) else route.abort())  # offline: anything but this server fails
+        page.goto(server.url + "/docs")
+        page.wait_for_selector("text=/v1/completions", timeout=15_000)
+        browser.close()
 
 
 # --- reasoning ----------------------------------------------------------------------------------

@@ -30,6 +30,8 @@ from typing import Optional
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi_offline import FastAPIOffline
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -104,6 +106,25 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
     return "invalid request: " + "; ".join(parts), param
 
 
+def openapi_schema(app: FastAPI) -> dict:
+    """FastAPI's schema, saying what this server answers: a bad body is a 400 in OpenAI's error
+    shape (FastAPI would document its own 422, which this server never sends)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version,
+                             description=app.description, routes=app.routes)
+        error = {"description": "Bad request (OpenAI's error shape)", "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+        for ops in schema.get("paths", {}).values():
+            for op in ops.values():
+                responses = op.get("responses", {})
+                if responses.pop("422", None) is not None:
+                    responses["400"] = error
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 def build_app(llm: AsyncLLM, served_model_names: list[str], *,
               api_key: Optional[str] = None, chat_template: Optional[str] = None,
               reasoning_parser: Optional[type[ThinkTagReasoningParser]] = None,
@@ -121,9 +142,13 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], *,
         yield
         llm.shutdown()
 
-    app = FastAPI(title="minipaged", version=minipaged.__version__, lifespan=lifespan,
-                  description="An OpenAI-compatible server for minipaged, a small vLLM-style "
-                              "engine. Lesson 07 (notebooks/07_serving.ipynb) walks through it.")
+    # Swagger UI (/docs) and ReDoc (/redoc) from the files fastapi-offline packages, not a CDN:
+    # the pages work on a machine without internet access.
+    app = FastAPIOffline(title="minipaged", version=minipaged.__version__, lifespan=lifespan,
+                         description="An OpenAI-compatible server for minipaged, a small "
+                                     "vLLM-style engine. Lesson 07 (notebooks/07_serving.ipynb) "
+                                     "walks through it.")
+    app.openapi = lambda: openapi_schema(app)
     app.state.llm = llm
     app.state.chat = chat
     app.state.metrics = llm.metrics
