@@ -220,3 +220,19 @@ def kv_cache_too_small_error(*, max_model_len: int, bytes_per_token: int, availa
         f"{available_bytes / GiB:.4f} GiB is available for it ({source}). The largest "
         f"max_model_len that fits is {fits}. Lower max_model_len, or give the cache more memory: "
         f"raise gpu_memory_utilization (on a GPU), or num_blocks / kv_cache_memory.")
+
+
+def knob_docs(indent: str = "    ") -> str:
+    """Every knob as a user reads it in `help()`: name, default, meaning (from the one
+    declaration above, so the docs cannot drift from the fields)."""
+    lines = []
+    for f in engine_fields():
+        choices = f.metadata.get("choices")
+        extra = f"; one of {', '.join(map(str, choices))}" if choices else ""
+        lines.append(f"{indent}{f.name} = {f.default!r}: {f.metadata.get('help', '')}{extra}")
+    return "\n".join(lines)
+
+
+EngineConfig.__doc__ = ("Every knob of the engine, checked at construction (`validate`); "
+                        "`resolve(model_config)` decides the automatic ones.\n\nKnobs:\n"
+                        + knob_docs())

@@ -25,7 +25,7 @@ from typing import Optional, Sequence as Seq
 from tqdm.auto import tqdm
 
 from minipaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_score
-from minipaged.config import EngineConfig
+from minipaged.config import EngineConfig, knob_docs
 from minipaged.engine.llm_engine import LLMEngine, RequestError
 from minipaged.engine.output import RequestOutput
 from minipaged.sampling import SamplingParams
@@ -34,9 +34,18 @@ PromptType = str | list[int] | dict
 
 
 class LLM:
+    """The offline engine, shaped like vLLM's `LLM`: `generate`, `chat`, `beam_search`.
+
+        llm = LLM("stories260K", max_num_seqs=8, enable_prefix_caching=False)
+        llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=40))
+
+    `model`: "stories260K", an HF folder or hub id, or "dummy:<preset>". Every other keyword is
+    an `EngineConfig` knob (the same as the command line's flags); `llm.config` is the resolved
+    config, with every automatic choice decided.
+    """
+
     def __init__(self, model: str = "stories260K", **engine_args):
-        """`engine_args`: any `EngineConfig` field (config.py), e.g. `max_model_len`,
-        `max_num_seqs`, `block_size`, `num_blocks`, `enable_prefix_caching`, `device`."""
+        """Build the engine: load the model, size the KV cache, pick the fast paths."""
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
         self.config = self.engine.config  # resolved: every "auto" decided
         self._counter = itertools.count()
@@ -161,5 +170,7 @@ class LLM:
     def trace(self):
         return self.engine.trace
 
+
+LLM.__doc__ += "\n    Engine knobs (keyword = default: meaning):\n" + knob_docs(indent="        ")
 
 __all__ = ["LLM"]
