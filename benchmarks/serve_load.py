@@ -162,16 +162,6 @@ class ClientReport:
         return 100.0 * self.cpu_sec / (self.end - self.start) if self.end > self.start else 0.0
 
 
-def percentiles(xs: list[float]) -> dict:
-    if not xs:
-        return {"p50": None, "p90": None, "p99": None}
-    s = sorted(xs)
-
-    def pick(q):
-        return round(s[min(len(s) - 1, int(q * len(s)))] * 1e3, 2)
-    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
-
-
 # --- the workload ----------------------------------------------------------------------------
 def salted(prompts: list[list[int]], salt: int, vocab_size: int) -> list[list[int]]:
     """Copies of `prompts` whose second token (the first of a one-token prompt) is shifted by
@@ -468,6 +458,7 @@ async def run_level(url: str, headers: dict, model: str, prompts, max_tokens, co
     for r in results:
         if not r.ok:
             print(f"  error: {r.error}", file=sys.stderr)
+    from minipaged.lessons.bench import percentiles_ms
     tokens = sum(r.output_tokens for r in ok)
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     cpu = [round(r.cpu_percent, 1) for r in got]
@@ -476,9 +467,9 @@ async def run_level(url: str, headers: dict, model: str, prompts, max_tokens, co
         errors=len(results) - len(ok), elapsed_sec=round(elapsed, 3),
         requests_per_sec=round(len(ok) / elapsed, 3),
         output_tokens=tokens, output_tokens_per_sec=round(tokens / elapsed, 1),
-        ttft_ms=percentiles([r.ttft for r in ok if r.ttft is not None]),
-        itl_ms=percentiles([x for r in ok for x in r.itl]),
-        itl_mean_ms=percentiles([sum(r.itl) / len(r.itl) for r in ok if r.itl]),
+        ttft_ms=percentiles_ms([r.ttft for r in ok if r.ttft is not None]),
+        itl_ms=percentiles_ms([x for r in ok for x in r.itl]),
+        itl_mean_ms=percentiles_ms([sum(r.itl) / len(r.itl) for r in ok if r.itl]),
         tpot_ms_mean=round(sum(tpot) / len(tpot) * 1e3, 2) if tpot else 0.0,
         preemptions=int(preemptions(after) - preemptions(before)),
         peak_running=peaks["running"], peak_waiting=peaks["waiting"],
@@ -511,15 +502,11 @@ def median_run(runs: list[dict], key: str) -> dict:
     return dict(sorted(runs, key=lambda r: r[key])[(len(runs) - 1) // 2])
 
 
-def percentiles_or_none(d: dict) -> dict:
-    """lessons.bench's percentiles ({} when empty) with this script's keys."""
-    return {k: d.get(k) for k in ("p50", "p90", "p99")}
-
-
 def offline_reference(model: str, server_args: list[str], workload: dict, vocab: int,
                       bos: Optional[int], single_requests: int, temperature: float,
                       torch_threads: Optional[int], repeats: int = 1) -> dict:
     """The offline engine on the workload (runs in its own process; see the docstring)."""
+    from minipaged.lessons.bench import percentiles_ms
     if torch_threads:
         os.environ["OMP_NUM_THREADS"] = str(torch_threads)
     import torch
@@ -561,10 +548,10 @@ def offline_reference(model: str, server_args: list[str], workload: dict, vocab:
         "batch": {"num_requests": batch["num_requests"], "elapsed_sec": batch["elapsed_sec"],
                   "output_tokens": batch["output_tokens"],
                   "output_tokens_per_sec": batch["tokens_per_sec"],
-                  "ttft_ms": percentiles_or_none(extra.pop("ttft_ms")),
-                  "itl_ms": percentiles_or_none(extra.pop("itl_ms")),
+                  "ttft_ms": extra.pop("ttft_ms"),
+                  "itl_ms": extra.pop("itl_ms"),
                   "runs_tokens_per_sec": [x["tokens_per_sec"] for x in runs], **extra},
-        "single": {"num_requests": n, "ttft_ms": percentiles(ttft), "itl_ms": percentiles(itl)},
+        "single": {"num_requests": n, "ttft_ms": percentiles_ms(ttft), "itl_ms": percentiles_ms(itl)},
     }
 
 

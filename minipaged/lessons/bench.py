@@ -18,6 +18,8 @@ HF modes may run on a subsample (`--hf-max-requests`); the table says so.
 """
 from __future__ import annotations
 
+import numpy as np
+
 import platform
 import random
 import time
@@ -99,13 +101,13 @@ def _result(backend, num_requests, concurrency, elapsed, output_tokens, subsampl
                        extra=extra)
 
 
-def _percentiles(xs: list[float]) -> dict:
-    if not xs:
-        return {}
-    s = sorted(xs)
-    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
-    return {"p50": round(pick(0.5) * 1e3, 2), "p90": round(pick(0.9) * 1e3, 2),
-            "p99": round(pick(0.99) * 1e3, 2)}
+def percentiles_ms(xs: list[float]) -> dict:
+    """p50 / p90 / p99 of durations in seconds, in milliseconds (numpy's linear interpolation);
+    None for each when there are no samples."""
+    if not len(xs):
+        return {"p50": None, "p90": None, "p99": None}
+    p50, p90, p99 = np.percentile(np.asarray(xs, dtype=float) * 1e3, [50, 90, 99])
+    return {"p50": round(float(p50), 2), "p90": round(float(p90), 2), "p99": round(float(p99), 2)}
 
 
 def run_minipaged(llm, wl: Workload, temperature: float = 0.0) -> BenchResult:
@@ -131,7 +133,7 @@ def run_minipaged(llm, wl: Workload, temperature: float = 0.0) -> BenchResult:
            for o in outs if len(o.outputs[0].token_ids) > 1]
     cfg = llm.engine.config
     return _result("minipaged", len(outs), cfg.max_num_seqs, elapsed, tokens,
-                   ttft_ms=_percentiles(ttft), itl_ms=_percentiles(itl),
+                   ttft_ms=percentiles_ms(ttft), itl_ms=percentiles_ms(itl),
                    preemptions=sum(o.metrics["num_preemptions"] for o in outs),
                    **step_breakdown(llm.engine.trace[first_step:]),
                    **bandwidth(llm, wl, elapsed, llm.engine.trace[first_step:]))
