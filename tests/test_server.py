@@ -440,43 +440,14 @@ def test_docs_and_openapi(server):
 
 
 def test_docs_render_in_headless_chromium(server):
-    """Swagger UI draws its operations with JavaScript: only a browser shows it works offline."""
-    playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    with playwright.sync_playwright() as p:
-        try:
-            browser = p.chromium.launch()
-        except Exception as e:  # noqa: BLE001 - no browser binary on this machine
-            pytest.skip(f"no headless chromium: {e}")
-        page = browser.new_page()
-        page.route("**/*", lambda route: route.continue_() if route.request.url.startswith(
-            server.url) else route.abort())  # offline: anything but this server fails
-        page.goto(server.url + "/docs")
-        page.wait_for_selector("text=/v1/completions", timeout=15_000)
-        browser.close()
-
-
-# --- reasoning ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
-def test_reasoning_parser_on_a_synthetic_stream(name):
-    parser_cls = get_reasoning_parser(name)
-    text = "<think>Two plus two: 2+2 = 4. Tags like </th are fine.</think>\n\nThe answer is 4."
-    want = ("Two plus two: 2+2 = 4. Tags like </th are fine.", "\n\nThe answer is 4.")
-    assert parser_cls().extract(text) == want
-    rng = random.Random(0)
-    for _ in range(200):  # cut the stream anywhere, tags included
-        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 12)))
-        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
-        p, reasoning, content = parser_cls(), "", ""
-        for piece in pieces:
-            r, c = p.feed(piece)
-            reasoning, content = reasoning + r, content + c
-        r, c = p.flush()
-        assert (reasoning + r, content + c) == want
-    # one character at a time, and no tag ever leaks into a field
-    p, out = parser_cls(), []
-    for ch in text:
-        out.append(p.feed(ch))
-    assert not any("<" in r + c and "think" in r + c for r, c in out)
+    """Swagger UI draws its operations with JavaScript: only a browser shows that the page works
+    offline (every request beyond this machine fails in `browser.render`)."""
+    from browser import render, script_errors
+    dom, console = render(server.url + "/docs")
+    assert "/v1/completions" in dom and "/v1/chat/completions" in dom, console
+    assert not script_errors(console), console
+    dom, console = render(server.url + "/redoc")
+    assert "/v1/completions" in dom, console
 
 
 def test_reasoning_parser_rules():
