@@ -15,13 +15,15 @@ Which file draws what, and which lessons show it:
 
 - `blocks.py`: block tables, logical -> physical, and the physical pool (lessons 02 and 06).
 - `waste.py`: where the KV cache goes, per strategy and over time, the block-size trade-off and
-  its slider `block_size_explorer` (lesson 01).
+  its slider `block_size_explorer` and animation `block_size_animation` (lesson 01).
 - `timeline.py`: Gantt charts of batches (static batching in lesson 00, continuous in lesson 03),
+  the trace replayed as an animation (`trace_animation`, lesson 02),
   KV cache utilisation over time (lesson 03) and the step slider `trace_explorer` (lesson 02).
 - `charts.py`: throughput (lessons 00, 03, 08), a decode step's breakdown (lesson 08), KV cache
   size (lesson 00), sampling stages and token distributions (lesson 04), the served path beside
   the offline engine (lesson 07).
-- `common.py`: the colours and the small helpers the others share.
+- `common.py`: the colours, the small helpers the others share, and `animate` (a JavaScript
+  player over one picture per frame, which survives a static render).
 
 Plain matplotlib; ipywidgets only inside the two explorer functions, which fall back to a static
 picture when widgets are not available, so the package imports (and the lessons run) headless.
@@ -36,15 +38,18 @@ from minipaged.lessons.viz.charts import (DECODE_PARTS, plot_decode_breakdown,
                                           plot_throughput, serve_vs_offline_rows,
                                           plot_token_distributions, sampling_stages)
 from minipaged.lessons.viz.common import (CACHED_COLOR, CATEGORY_COLORS, FREE_COLOR, OWNER_COLORS,
-                                          SHARED_COLOR, STATE_COLORS, STATE_LABELS, owner_color)
+                                          SHARED_COLOR, STATE_COLORS, STATE_LABELS, animate,
+                                          owner_color)
 from minipaged.lessons.viz.timeline import (gantt_utilisation, plot_batch_gantt, plot_gantt,
                                             plot_kv_utilization, plot_static_vs_continuous,
-                                            static_batching_timeline, trace_explorer)
-from minipaged.lessons.viz.waste import (block_size_explorer, block_size_tradeoff,
+                                            static_batching_timeline, trace_animation,
+                                            trace_explorer)
+from minipaged.lessons.viz.waste import (block_size_animation, block_size_explorer,
+                                         block_size_tradeoff,
                                          plot_block_size_tradeoff, plot_memory_waste,
                                          plot_waste_over_time)
 
-__all__ = ["BlockTableView", "view_from_block_manager", "view_from_trace", "plot_block_tables",
+__all__ = ["animate", "trace_animation", "block_size_animation", "BlockTableView", "view_from_block_manager", "view_from_trace", "plot_block_tables",
            "plot_memory_waste", "plot_waste_over_time", "block_size_tradeoff",
            "plot_block_size_tradeoff", "static_batching_timeline", "plot_gantt",
            "plot_batch_gantt", "plot_static_vs_continuous", "gantt_utilisation",

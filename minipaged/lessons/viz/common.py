@@ -57,3 +57,35 @@ def _show(fig):
     from IPython.display import display
     display(fig)
     plt.close(fig)
+
+
+def animate(draw, frames, interval_ms: int = 700, dpi: int = 72):
+    """A picture per frame, played by matplotlib's JavaScript player (`to_jshtml`): the frames
+    are PNGs inside the page, so the animation survives a static render (the course book, a
+    notebook viewer) where a widget shows nothing. `draw(frame)` returns a figure."""
+    import numpy as np
+    from IPython.display import HTML
+    from matplotlib.animation import ArtistAnimation
+
+    images = []
+    for frame in frames:
+        fig = draw(frame)
+        fig.set_dpi(dpi)
+        fig.canvas.draw()
+        images.append(np.asarray(fig.canvas.buffer_rgba()).copy())
+        plt.close(fig)
+    h = max(im.shape[0] for im in images)
+    w = max(im.shape[1] for im in images)
+    padded = []
+    for im in images:  # frames of different sizes sit on one white canvas
+        canvas = np.full((h, w, 4), 255, dtype=np.uint8)
+        canvas[:im.shape[0], :im.shape[1]] = im
+        padded.append(canvas)
+    fig = plt.figure(figsize=(w / dpi, h / dpi), dpi=dpi)
+    ax = fig.add_axes((0, 0, 1, 1))
+    ax.axis("off")
+    anim = ArtistAnimation(fig, [[ax.imshow(im, animated=True)] for im in padded],
+                           interval=interval_ms, blit=True)
+    html = anim.to_jshtml(default_mode="once")
+    plt.close(fig)
+    return HTML(html)

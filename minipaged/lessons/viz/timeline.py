@@ -21,7 +21,7 @@ from minipaged.engine.trace import StepRecord
 from minipaged.lessons.timeline import RequestState, request_timeline, trace_request_ids
 from minipaged.lessons.viz.blocks import plot_block_tables
 from minipaged.lessons.viz.common import (CACHED_COLOR, CATEGORY_COLORS, STATE_COLORS,
-                                          STATE_LABELS, _figure, _show, _widgets)
+                                          STATE_LABELS, _figure, _show, _widgets, animate)
 
 
 # --- batch composition (lesson 03) ------------------------------------------------------------
@@ -201,3 +201,21 @@ def trace_explorer(trace: Sequence[StepRecord], start: Optional[int] = None):
     slider = w.IntSlider(value=start, min=0, max=len(trace) - 1, description="step",
                          continuous_update=False)
     return w.interactive(draw, step=slider)
+
+
+def trace_animation(trace: Sequence[StepRecord], steps: Optional[Sequence[int]] = None,
+                    interval_ms: int = 700):
+    """The trace explorer as an animation: the block tables at each of `steps` (positions in the
+    trace; default: every step, at most 40), one frame each, with the batch in the title.
+    Needs `record_block_tables=True`. It survives a static render, unlike the slider."""
+    if not trace or trace[0].block_tables is None:
+        raise ValueError("this trace has no block tables: create the LLM with "
+                         "record_block_tables=True")
+    if steps is None:
+        steps = list(range(0, len(trace), max(1, len(trace) // 40)))
+
+    def draw(i: int):
+        r = trace[i]
+        return plot_block_tables(trace, i, title=f"step {r.step}: {len(r.scheduled)} sequences, "
+                                                 f"{r.num_batched_tokens} tokens")
+    return animate(draw, steps, interval_ms)

@@ -14,7 +14,7 @@ import matplotlib
 import matplotlib.pyplot as plt
 import matplotlib.ticker
 
-from minipaged.lessons.viz.common import CATEGORY_COLORS, _figure, _show, _widgets
+from minipaged.lessons.viz.common import CATEGORY_COLORS, _figure, _show, _widgets, animate
 
 
 # --- memory waste (lesson 01) -----------------------------------------------------------------
@@ -152,3 +152,19 @@ def block_size_explorer(requests, capacity: int, block_sizes: Sequence[int] = (1
     slider = w.SelectionSlider(options=list(block_sizes), value=start, description="block_size",
                                continuous_update=False)
     return w.interactive(draw, block_size=slider)
+
+
+def block_size_animation(requests, capacity: int,
+                         block_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128), **kw):
+    """The block-size slider as an animation (one frame per block size, the real `BlockManager`
+    behind each), so it survives a static render."""
+    from minipaged.lessons.memory_waste import simulate_paged
+
+    def draw(block_size: int):
+        r = simulate_paged(requests, capacity // block_size, block_size, **kw)
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 2.8), gridspec_kw={"width_ratios": [1, 2]})
+        plot_memory_waste([r], ax=a1, paper=False, title=f"block_size={block_size}")
+        plot_waste_over_time(r, ax=a2)
+        fig.tight_layout()
+        return fig
+    return animate(draw, block_sizes)
