@@ -1,7 +1,7 @@
 # Convenience targets. PY defaults to the checkout's virtual environment.
 PY ?= .venv/bin/python
 
-.PHONY: figures lessons
+.PHONY: figures lessons book
 
 # Regenerate every PNG in figures/: the lessons' experiments (python -m minipaged.lessons.figures, about
 # a minute on 2 CPU cores), the attention-bandwidth and throughput charts from the stored H200
@@ -18,3 +18,7 @@ figures:
 # Run every lesson notebook headless, as CI does.
 lessons:
 	$(PY) -m pytest -q --nbmake notebooks
+
+# The course book: every lesson executed and rendered into a static site in site/ (mkdocs.yml).
+book:
+	OMP_NUM_THREADS=1 $(PY) -m mkdocs build --clean
