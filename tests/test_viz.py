@@ -125,7 +125,8 @@ def test_plots_draw(engine_trace):
     wl, trace = engine_trace
     figs = [viz.plot_block_tables(trace, 5), viz.plot_batch_gantt(trace),
             viz.plot_kv_utilization(trace),
-            viz.plot_static_vs_continuous(trace, [len(p) for p in wl.prompts], wl.max_tokens, 4),
+            viz.plot_static_vs_continuous(trace, [len(p) for p in wl.prompts], wl.max_tokens,
+                                          max(len(r.scheduled) for r in trace), more_seats=trace),
             viz.plot_throughput({"minipaged": 10.0, "hf-static": 5.0}, baseline="hf-static"),
             viz.plot_kv_cache_size({"x": 1280}, max_tokens=1024, budget_gib=0.001)]
     res = compare_strategies(make_trace("alpaca", 20, max_model_len=256), 512, block_sizes=(16,),
@@ -139,6 +140,16 @@ def test_plots_draw(engine_trace):
     for f in figs:
         assert f.axes
         plt.close(f)
+
+
+def test_static_vs_continuous_refuses_different_seat_counts(engine_trace):
+    """Static batches of B against an engine that ran more than B at once would credit the
+    scheduler with the gain of more seats: the chart refuses, naming the knob."""
+    wl, trace = engine_trace
+    seats = max(len(r.scheduled) for r in trace)
+    assert seats > 2
+    with pytest.raises(ValueError, match="max_num_seqs=2"):
+        viz.plot_static_vs_continuous(trace, [len(p) for p in wl.prompts], wl.max_tokens, 2)
 
 
 def test_sampling_stages_mask_what_the_sampler_masks():

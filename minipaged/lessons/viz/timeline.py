@@ -109,25 +109,64 @@ def gantt_utilisation(states: Sequence[Sequence[RequestState]]) -> dict:
             + c[RequestState.REQUEUED], "preempted": c[RequestState.PREEMPTED]}
 
 
-def plot_static_vs_continuous(trace: Sequence[StepRecord], prompt_lens: Sequence[int],
-                              output_lens: Sequence[int], batch_size: int):
-    """The same requests under HF static batching (left) and minipaged's continuous batching."""
-    static = static_batching_timeline(prompt_lens, output_lens, batch_size)
+def _rows_in_request_order(trace: Sequence[StepRecord]):
     ids = trace_request_ids(trace)
-    cont = request_timeline(trace, ids)
-    # the engine schedules in arrival order; rows in request order for both charts
+    states = request_timeline(trace, ids)
+    # the engine schedules in arrival order; rows in request order, as the static chart has them
     order = sorted(range(len(ids)), key=lambda i: int(ids[i]) if ids[i].isdigit() else i)
-    cont = [cont[i] for i in order]
-    labels = [ids[i] for i in order]
-    width = max(len(static[0]), len(cont[0]))
-    fig, (a1, a2) = plt.subplots(2, 1, figsize=(9, min(0.3 * len(labels) * 2 + 2, 9)), sharex=True)
+    return [states[i] for i in order], [ids[i] for i in order]
+
+
+def max_running(trace: Sequence[StepRecord]) -> int:
+    """The most sequences any step of `trace` ran at once: the seats the engine really used."""
+    return max((len(r.scheduled) for r in trace), default=0)
+
+
+def plot_static_vs_continuous(trace: Sequence[StepRecord], prompt_lens: Sequence[int],
+                              output_lens: Sequence[int], batch_size: int,
+                              more_seats: Optional[Sequence[StepRecord]] = None):
+    """The same requests under HF static batching and minipaged's continuous batching, at the
+    same number of seats; `more_seats` (a trace of an engine with more of them) adds a third
+    chart: what more seats give, shown apart so that it is not credited to the scheduler.
+
+    `trace` must come from an engine that never ran more than `batch_size` sequences at once
+    (`LLM(..., max_num_seqs=batch_size)`): a comparison at different seat counts measures the
+    seats, not the scheduling.
+    """
+    seats = max_running(trace)
+    if seats > batch_size:
+        raise ValueError(
+            f"the continuous-batching trace ran {seats} sequences at once against static batches "
+            f"of {batch_size}: compare at the same seats (LLM(..., max_num_seqs={batch_size})) "
+            f"and pass the larger engine's trace as more_seats=")
+    static = static_batching_timeline(prompt_lens, output_lens, batch_size)
+    cont, labels = _rows_in_request_order(trace)
+    charts = [static, cont]
+    if more_seats is not None:
+        wide, _ = _rows_in_request_order(more_seats)
+        charts.append(wide)
+    width = max(len(c[0]) for c in charts)
+    n = len(charts)
+    fig, axes = plt.subplots(n, 1, figsize=(9, min(0.22 * len(labels) * n + 1.6, 3.2 * n)),
+                             sharex=True)
     us, uc = gantt_utilisation(static), gantt_utilisation(cont)
-    plot_gantt(static, labels, ax=a1, xlabel="", max_cols=width,
-               title=f"HF static batching, batch_size={batch_size}: {us['steps']} forward passes, "
-                     f"{us['padding']} padded row-steps")
-    plot_gantt(cont, labels, ax=a2, max_cols=width,
-               title=f"continuous batching (minipaged): {uc['steps']} steps, no padding")
-    a2.set_xlabel("forward pass / engine step")
+    plot_gantt(static, labels, ax=axes[0], xlabel="", max_cols=width,
+               title=f"HF static batching, batches of {batch_size}: {us['steps']} forward "
+                     f"passes, {us['padding']} padded row-steps")
+    plot_gantt(cont, labels, ax=axes[1], xlabel="", max_cols=width,
+               title=f"continuous batching (minipaged), the same {batch_size} seats "
+                     f"(max_num_seqs={batch_size}): {uc['steps']} steps, no padding "
+                     f"({us['steps'] / uc['steps']:.2f}x fewer)")
+    if more_seats is not None:
+        wide_seats = max_running(more_seats)
+        uw = gantt_utilisation(charts[2])
+        us_wide = gantt_utilisation(static_batching_timeline(prompt_lens, output_lens,
+                                                             wide_seats))
+        plot_gantt(charts[2], labels, ax=axes[2], xlabel="", max_cols=width,
+                   title=f"more seats, apart: minipaged with {wide_seats} running, {uw['steps']} "
+                         f"steps (static batches of {wide_seats}: {us_wide['steps']} passes, "
+                         f"{us_wide['padding']} padded row-steps)")
+    axes[-1].set_xlabel("forward pass / engine step")
     fig.tight_layout()
     return fig
 
