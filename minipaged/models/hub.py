@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,6 +199,8 @@ def download_gguf_model(model: GGUFModel, download_dir=None, revision: Optional[
     if (root / model.name / model.gguf_name).is_file():
         return install_gguf(model, root / model.name / model.gguf_name, download_dir)
     root.mkdir(parents=True, exist_ok=True)
+    print(f"{model.name}: fetching {model.repo_ids[0]}/{model.filename} ({model.size:,} bytes) "
+          f"from the Hugging Face hub into {root / model.name}", file=sys.stderr)
     staging = Path(tempfile.mkdtemp(prefix=f".{model.name}-", dir=root))
     try:
         gguf_file = fetch_gguf(model, staging / "download", revision)
