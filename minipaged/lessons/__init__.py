@@ -3,6 +3,7 @@
     viz.py            block tables, Gantt charts, KV use, throughput and sampling plots; widgets
     figures.py        the lessons' experiments and `python -m minipaged.lessons.figures`
     memory_waste.py   lesson 01's allocator simulations (the vLLM paper's Fig. 2)
+    one_request.py    lesson 02b's picture of one flat step and its exercise's solution
     sharing.py        lesson 06's sharing and preemption experiments
     baseline.py       the naive Hugging Face baselines (sequential, static, continuous batching)
     bench.py          workloads and the side-by-side throughput runs (`minipaged bench`)
