@@ -178,3 +178,24 @@ def test_prefix_cache_statistics_for_a_shared_system_prompt():
     assert admit.prefix_cache_hit_rate == pytest.approx(40 / 43)
     assert [e.num_cached_tokens for e in admit.scheduled] == [40] * 5
     assert admit.num_blocks_saved_by_sharing == 4 * 5  # five tables, one copy of the prompt
+
+
+def test_n_samples_fork_against_n_requests_through_the_prefix_cache():
+    """Lesson 06's comparison: vLLM V1 has no fork; it turns n > 1 into n requests that share
+    the prompt's full blocks through the prefix cache. The same samples either way; the fork
+    prefills the prompt once; n requests a step apart compute each tail again; n requests
+    admitted together share nothing here, because minipaged publishes a block after computing
+    it (V1 publishes at allocation)."""
+    from minipaged.lessons.sharing import n_samples_two_ways
+    prompt = list(range(3, 3 + 13))  # 13 tokens: 3 full blocks of 4, then 1
+    n, bs = 3, 4
+    fork, together, ahead = n_samples_two_ways(prompt, n=n, max_tokens=6, block_size=bs)
+    assert fork.outputs == together.outputs == ahead.outputs
+    assert len(fork.outputs) == n and all(len(o) == 6 for o in fork.outputs)
+    assert fork.prefill_tokens == len(prompt) and fork.cow_copies == n - 1
+    assert together.prefill_tokens == n * len(prompt) and together.prefix_hit_tokens == 0
+    assert together.saving == 0.0
+    full = len(prompt) // bs * bs
+    assert ahead.prefix_hit_tokens == (n - 1) * full and ahead.cow_copies == 0
+    assert ahead.prefill_tokens == len(prompt) + (n - 1) * (len(prompt) - full)
+    assert max(ahead.peak_blocks, fork.peak_blocks) < together.peak_blocks
