@@ -22,6 +22,10 @@ Swapping (lesson 06, `preemption_mode="swap"`): a second `BlockAllocator` owns t
 CPU pool. `swap_out` moves a group of sequences' tables there (a block shared inside the group
 gets one CPU block, so sharing survives the trip) and returns the (GPU, CPU) block pairs whose
 contents the engine must copy; `swap_in` is the way back.
+
+Build it yourself (lessons 02 and 06): `minipaged exercise start block_manager` hands you
+`_needs_cow`, `append_slots`, `fork` and `free` to write; `minipaged exercise check block_manager`
+runs this file's tests with yours in place (minipaged/exercises/).
 """
 from __future__ import annotations
 

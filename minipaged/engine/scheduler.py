@@ -24,6 +24,9 @@ reserves a seat for every sequence it will fork into. Samples are independent on
 are preempted one at a time (a victim's shared prompt blocks stay with its siblings). Beams are
 not: a beam-search step needs the logits of every live beam, so a preemption takes all running
 beams of the group, and they come back all at once (the vLLM paper's gang scheduling).
+
+Build it yourself (lesson 03): `minipaged exercise start scheduler` hands you `_schedule_running`
+(steps 1 and 2, preemption included) to write; `minipaged exercise check scheduler` grades it.
 """
 from __future__ import annotations
 
@@ -117,10 +120,30 @@ class Scheduler:
     # --- the step plan ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        bm = self.block_manager
+        # 1 + 2: running sequences, decodes first, then unfinished prefill chunks (may preempt).
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        # 3: swapped-out groups come back first, oldest first (not in a step that had to preempt).
+        if self.swapped and not out.preempted:
+            budget = self._swap_in(out, budget)
+        # 4: admit waiting sequences (not in a step that had to preempt: memory is short; not
+        #    while a swapped-out group waits to come back: first come, first served).
+        if not out.preempted and not self.swapped:
+            self._admit_waiting(out, budget)
+        for s in out.scheduled:
+            s.block_table = self.block_manager.block_tables[s.seq.seq_id]
+        return out
 
-        # 1 + 2: running sequences, decodes first, then unfinished prefill chunks.
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Steps 1 and 2: plan the running sequences' tokens; returns the budget left.
+
+        Decodes first (1 token each), then unfinished prefill chunks (as many tokens as they have
+        left and the budget holds), each in `self.running` order, until the budget is spent. A
+        sequence the cache has no room for (`can_append`) preempts the most recently admitted
+        running sequence (`_preempt_last`, which may return budget a victim had been planned
+        for) until it fits, or until it was the victim itself. Each plan goes to `out.scheduled`
+        and its copy-on-write pairs (`append_slots`) to `out.blocks_to_copy`.
+        """
+        bm = self.block_manager
         decodes: list[Sequence] = []
         chunks: list[Sequence] = []
         for seq in self.running:
@@ -144,14 +167,13 @@ class Scheduler:
             out.blocks_to_copy += bm.append_slots(seq, n)
             out.scheduled.append(ScheduledSeq(seq, n, uncomputed > 1, n == uncomputed))
             budget -= n
+        return budget
 
-        # 3: swapped-out groups come back first, oldest first (not in a step that had to preempt).
-        if self.swapped and not out.preempted:
-            budget = self._swap_in(out, budget)
-
-        # 4: admit waiting sequences (not in a step that had to preempt: memory is short; not
-        #    while a swapped-out group waits to come back: first come, first served).
-        while self.waiting and budget > 0 and not out.preempted and not self.swapped:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Step 4: admit waiting sequences in arrival order while budget, seats and blocks last
+        (a prompt longer than the budget is split with chunked prefill); returns the budget left."""
+        bm = self.block_manager
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
             group = seq.group
             if group is not None and group.lockstep and group.forked:
@@ -177,9 +199,7 @@ class Scheduler:
                                               seq.num_computed_tokens + n == seq.num_tokens,
                                               num_cached))
             budget -= n
-        for s in out.scheduled:
-            s.block_table = bm.block_tables[s.seq.seq_id]
-        return out
+        return budget
 
     def _admit_beams(self, group, out: SchedulerOutput, budget: int):
         """Readmit every waiting beam of a group at once, or none; returns the tokens scheduled.

@@ -11,6 +11,9 @@ uses the "exponential race": argmax(p / E) with E ~ Exp(1) draws from p. A reque
 draws its E from its own generator, so its tokens do not depend on what else is in the batch;
 with `n > 1` sample i uses `seed + i` (vLLM's rule), so the samples differ but replay exactly.
 Greedy rows (temperature 0) take argmax of the processed logits.
+
+Build it yourself (lesson 04): `minipaged exercise start top_k_top_p` hands you
+`apply_top_k_top_p_min_p` to write; `minipaged exercise check top_k_top_p` grades it.
 """
 from __future__ import annotations
 
