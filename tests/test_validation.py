@@ -121,6 +121,12 @@ SAMPLING_FIELDS = {
     "skip_special_tokens": (st.booleans(), bad_bools()),
     "include_stop_str_in_output": (st.booleans(), bad_bools()),
     "detokenize": (st.booleans(), bad_bools()),
+    # each constraint's own checks: tests/test_structured_output.py
+    "structured_outputs": (optional(st.sampled_from([{"regex": "a+"}, {"choice": ["x", "y"]},
+                                                     {"json": {"type": "integer"}},
+                                                     {"json_object": True}])),
+                           ints() | st.text(max_size=4) | st.lists(ints(), max_size=2)
+                           | st.booleans()),
 }
 
 BEAM_FIELDS = {
@@ -152,6 +158,7 @@ CONFIG_FIELDS = {
     "num_cpu_blocks": (optional(ints(0, BIG)), bad_ints(0, none_ok=True)),
     "seed": (ints(SEED_MIN, SEED_MAX), bad_ints(SEED_MIN, SEED_MAX)),
     "device": (NONEMPTY_TEXT, st.just("") | st.none() | ints()),
+    "cpu_threads": (optional(ints(1, BIG)), bad_ints(1, none_ok=True)),
     "attention_backend": (optional(st.sampled_from(ATTENTION_BACKENDS)),
                           bad_choices(ATTENTION_BACKENDS, none_ok=True)),
     "fused_ops": (optional(st.booleans()), bad_bools(none_ok=True)),

@@ -46,7 +46,9 @@ from minipaged.engine.trace import ScheduledEntry, StepRecord
 from minipaged.models.config import ModelConfig, parse_dtype
 from minipaged.models.loader import load_model, load_tokenizer, resolve_model
 from minipaged.sampling import SamplerOutput, SamplingParams, Sampler
+from minipaged.structured_output.manager import StructuredOutputManager
 from minipaged.worker import make_model_runner
+from minipaged.worker.cpu_threads import apply_cpu_threads
 from minipaged.worker.kv_cache import (allocate_kv_cache, block_bytes, determine_num_blocks,
                                        kv_cache_torch_dtype)
 from minipaged.worker.swap import (allocate_cpu_cache, determine_num_cpu_blocks, swap_in_blocks,
@@ -60,13 +62,19 @@ class LLMEngine:
         self.source = resolve_model(config.model)
         model_cfg = ModelConfig.from_dict(self.source.config)
         self.config = config = config.resolve(model_cfg)  # every "auto" decided, once
+        apply_cpu_threads(config.cpu_threads)  # process-wide torch state (worker/cpu_threads.py)
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
         self.backend = get_attention_backend(config.attention_backend, config.device)
         torch.manual_seed(config.seed)
+        tp = None
+        if config.tensor_parallel_size > 1:  # N processes, 1/N of every layer each (lesson 09)
+            from minipaged.distributed.launch import start_tensor_parallel
+            tp = start_tensor_parallel(config, self.source)  # the workers load their shards too
         self.model, self.model_config = load_model(self.source, self.dtype, self.device, self.backend,
                                                    max_positions=config.max_model_len, seed=config.seed,
-                                                   fused_ops=config.fused_ops)
+                                                   fused_ops=config.fused_ops, tp=tp)
+        self.kv_config = self.model.config  # the KV heads this process holds: 1/N of them with TP
         self.tokenizer = load_tokenizer(self.source, config.tokenizer)
         self.eos_token_ids = self._eos_ids()
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
@@ -74,15 +82,15 @@ class LLMEngine:
 
         # The KV cache: as many blocks as the memory knobs allow (worker/kv_cache.py).
         self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
-        self.num_blocks = determine_num_blocks(config, self.model_config, self.kv_dtype,
+        self.num_blocks = determine_num_blocks(config, self.kv_config, self.kv_dtype,
                                                self.device, profile=self._profile_peak_memory)
-        self.kv_cache = allocate_kv_cache(self.model_config, self.num_blocks, config.block_size,
+        self.kv_cache = allocate_kv_cache(self.kv_config, self.num_blocks, config.block_size,
                                           self.kv_dtype, self.device,
                                           head_major=config.kv_head_major)
         self.block_manager = BlockManager(self.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         # Swap preemption: a CPU pool of blocks (lesson 06, worker/swap.py).
-        self.block_bytes = block_bytes(self.model_config, config.block_size, self.kv_dtype)
+        self.block_bytes = block_bytes(self.kv_config, config.block_size, self.kv_dtype)
         num_cpu_blocks = determine_num_cpu_blocks(config, self.block_bytes, self.num_blocks)
         self.cpu_cache = allocate_cpu_cache(self.kv_cache, num_cpu_blocks)
         self.block_manager.enable_swap(num_cpu_blocks)
@@ -90,6 +98,9 @@ class LLMEngine:
         self.model_runner = make_model_runner(config, self.model, self.kv_cache, self.backend)
         self.sampler = Sampler(seed=config.seed, eos_token_ids=self.eos_token_ids,
                                use_kernel=config.sampler_kernel)
+        # Grammar masks for requests with structured_outputs (lesson 12); idle without them.
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids, config.max_num_seqs)
         self.requests: dict[str, Sequence] = {}  # unfinished requests: their first sequence
         self.groups: dict[str, SequenceGroup] = {}  # ... those with n > 1 or a beam search
         # One StepRecord per step; a bounded deque where the config caps it (a server).
@@ -124,7 +135,7 @@ class LLMEngine:
     def _profile_peak_memory(self) -> int:
         """CUDA: peak activation bytes of one forward at max_num_batched_tokens (no KV cache yet)."""
         from minipaged.worker.gpu_model_runner import profile_peak_memory
-        return profile_peak_memory(self.model, self.backend, self.model_config, self.config,
+        return profile_peak_memory(self.model, self.backend, self.kv_config, self.config,
                                    self.kv_dtype, self.device)
 
     # --- requests ---------------------------------------------------------------------------
@@ -147,6 +158,11 @@ class LLMEngine:
         params = SamplingParams() if sampling_params is None else sampling_params
         vocab = self.model_config.vocab_size
         processor.validate_params(request_id, params, vocab, self.config.max_logprobs)
+        if getattr(params, "structured_outputs", None) is not None:  # compiled for this vocabulary
+            try:
+                self.structured_output.compile(params.structured_outputs)
+            except ValueError as e:
+                raise RequestError(f"{e} (request {request_id!r})") from None
         text, token_ids = processor.prompt_token_ids(request_id, prompt, vocab, self.tokenize)
         max_len = self.config.max_model_len
         if len(token_ids) >= max_len:
@@ -255,6 +271,7 @@ class LLMEngine:
             logits, sampling, ready_beams = groups.split_groups(logits, sampling, self.scheduler)
         sampler_out = None
         if sampling:
+            logits = self.structured_output.apply_masks(logits, sampling)  # grammar rows only
             sampler_out, sampling, errors = self._sample(logits, sampling)
             for seq, exc in errors:
                 self._fail(seq, exc, outputs, finished)
@@ -333,6 +350,8 @@ class LLMEngine:
                     seq.logprobs.append(sampler_out.logprobs[row])
                     seq.cumulative_logprob += sampler_out.sampled_logprobs[row]
                 status = out.check_stop(seq, token)
+                if status is None and seq.sampling_params.structured_outputs is not None:
+                    status = self.structured_output.accept(seq)  # "stop" at the grammar's end
                 if status is not None:
                     seq.finished_time = now
                     self.scheduler.finish(seq, status)

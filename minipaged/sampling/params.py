@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from minipaged.structured_output.params import StructuredOutputsParams
 from minipaged.validation import (INT32_MAX, SEED_MAX, SEED_MIN, check_bool, check_float,
                                   check_int, check_int_list)
 
@@ -37,6 +38,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True  # False: outputs carry token ids only (the server's engine core)
+    # The output must match a JSON schema / regex / choice / grammar (structured_output/, lesson 12)
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -81,6 +84,8 @@ class SamplingParams:
         self.include_stop_str_in_output = check_bool("include_stop_str_in_output",
                                                      self.include_stop_str_in_output)
         self.detokenize = check_bool("detokenize", self.detokenize)
+        if self.structured_outputs is not None:  # a dict too (how it crosses to the engine core)
+            self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:

@@ -120,7 +120,9 @@ class AsyncScheduling:
         if self.engine.groups:
             return False
         # min_tokens bans EOS by the count of tokens the host holds: wait until it is past.
+        # A grammar's mask needs the token before it (structured_output/): those steps too.
         return not any(s.sampling_params.logprobs is not None or s.sampling_params.has_penalties
+                       or s.sampling_params.structured_outputs is not None
                        or 0 < s.sampling_params.min_tokens >= s.num_output_tokens
                        for s in sampling)
 

@@ -1,0 +1,151 @@
+"""The engine side of structured outputs: compile per vocabulary, a matcher per sequence, the
+bitmask per step (lesson 12).
+
+    compile(request_id, params)    when a request is added: its grammar against this tokenizer's
+                                   vocabulary (cached; a refusal is a RequestError)
+    apply_masks(logits, seqs)      each step, before the sampler: one bit per token per
+                                   constrained row, filled by the rows' matchers, applied to the
+                                   logits in one call (disallowed tokens -> -inf)
+    accept(seq)                    after a token is appended: advance the matcher; a grammar at
+                                   its end finishes the request ("stop")
+
+The library is xgrammar (the README says why). A matcher is a pushdown automaton over the
+grammar; `fill_next_token_bitmask` writes, for its state, which of the vocabulary's tokens may
+come next, as int32 words of 32 tokens each, and `apply_token_bitmask_inplace` sets the logits of
+the others to -inf (a C++ loop on the CPU, a kernel on CUDA; no Python loop over the vocabulary).
+
+Matchers are kept beside the sequences, not in them, keyed by the `Sequence` object (weakly, so a
+finished sequence's matcher goes with it), and each remembers how many of its sequence's output
+tokens it has accepted. Before a mask is filled the matcher catches up with
+`seq.output_token_ids`; so a sample forked from its prompt (n > 1) gets its own matcher, and a
+sequence preempted by recompute (its tokens kept, its K/V rebuilt) keeps a matcher that is still
+right. If the tokens ever were fewer than the matcher has accepted it is rebuilt from them.
+Rows without a constraint are not touched: a step with none costs one check per row.
+"""
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from typing import Optional, Sequence as Seq
+
+import torch
+
+from minipaged.engine.sequence import Sequence, SequenceStatus
+from minipaged.structured_output.params import StructuredOutputsParams, grammar_of, library_error
+
+
+class RequestGrammarError(ValueError):
+    """A constraint the grammar library refuses for this vocabulary (raised as RequestError)."""
+
+
+class _Matcher:
+    __slots__ = ("matcher", "compiled", "num_accepted")
+
+    def __init__(self, xgr, compiled, stop_ids: list[int]):
+        self.compiled = compiled
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_ids)
+        self.num_accepted = 0
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int],
+                 max_num_seqs: int, cache_size: int = 128):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's vocabulary)
+        self.eos_token_ids = list(eos_token_ids)
+        self.max_num_seqs = max_num_seqs
+        self.cache_size = cache_size
+        self._compiler = None  # built on the first constrained request (xgrammar's import: ~2 s)
+        self._compiled: OrderedDict[tuple, object] = OrderedDict()
+        self._matchers: weakref.WeakKeyDictionary[Sequence, _Matcher] = weakref.WeakKeyDictionary()
+        self._bitmask: Optional[torch.Tensor] = None  # (max_num_seqs, ceil(vocab / 32)) int32
+
+    # --- when a request is added ------------------------------------------------------------
+    def _xgr(self):
+        import xgrammar as xgr
+        if self._compiler is None:
+            if self.tokenizer is None:
+                raise RequestGrammarError("structured_outputs needs the model's tokenizer, and "
+                                          "this model has none (dummy weights?)")
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.eos_token_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        return xgr
+
+    def compile(self, params: StructuredOutputsParams):
+        """The compiled grammar (cached by kind and spec); raises RequestGrammarError."""
+        key = (params.kind, params.spec, params.disable_any_whitespace)
+        hit = self._compiled.get(key)
+        if hit is not None:
+            self._compiled.move_to_end(key)
+            return hit
+        self._xgr()
+        try:
+            compiled = self._compiler.compile_grammar(grammar_of(params))
+        except Exception as e:
+            raise RequestGrammarError(f"structured_outputs.{params.kind} cannot be compiled: "
+                                      f"{library_error(e)}") from None
+        self._compiled[key] = compiled
+        if len(self._compiled) > self.cache_size:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    # --- each step --------------------------------------------------------------------------
+    def _state(self, seq: Sequence) -> _Matcher:
+        """`seq`'s matcher, caught up with its output tokens."""
+        xgr = self._xgr()
+        st = self._matchers.get(seq)
+        out = seq.output_token_ids
+        params = seq.sampling_params.structured_outputs
+        if st is None or st.num_accepted > len(out):  # new (or a fork), or tokens taken back
+            st = self._matchers[seq] = _Matcher(xgr, self.compile(params), self.eos_token_ids)
+        while st.num_accepted < len(out):
+            token = out[st.num_accepted]
+            if not st.matcher.accept_token(token):
+                raise ValueError(f"the grammar does not allow token {token} at output position "
+                                 f"{st.num_accepted} (structured_outputs.{params.kind})")
+            st.num_accepted += 1
+        return st
+
+    def apply_masks(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+        """Set to -inf, in each constrained row, the logits of the tokens its grammar forbids.
+        logits: (len(seqs), vocab). Returns the logits (the same tensor unless they had to be
+        widened to fp32 for the CPU kernel)."""
+        rows = [i for i, s in enumerate(seqs) if s.sampling_params.structured_outputs is not None]
+        if not rows:
+            return logits
+        xgr = self._xgr()
+        if self._bitmask is None or self._bitmask.shape[0] < len(seqs):
+            self._bitmask = xgr.allocate_token_bitmask(max(self.max_num_seqs, len(seqs)),
+                                                       self.vocab_size)
+        bitmask = self._bitmask
+        for i in rows:  # (rows, ceil(vocab / 32)) int32: bit t of row i = token t allowed
+            self._state(seqs[i]).matcher.fill_next_token_bitmask(bitmask, i)
+        if logits.device.type == "cpu" and logits.dtype != torch.float32:
+            logits = logits.float()  # xgrammar's CPU kernel takes fp32
+        mask = bitmask[:len(seqs)].to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size, indices=rows)
+        return logits
+
+    def accept(self, seq: Sequence) -> Optional[SequenceStatus]:
+        """Advance `seq`'s matcher over its new tokens; FINISHED_STOPPED once the grammar has
+        ended (it accepted a stop token, or nothing but one can follow)."""
+        st = self._state(seq)
+        m = st.matcher
+        if m.is_terminated():
+            return SequenceStatus.FINISHED_STOPPED
+        if m.is_completed() and _only_stop_tokens(self, m):
+            return SequenceStatus.FINISHED_STOPPED
+        return None
+
+
+def _only_stop_tokens(mgr: StructuredOutputManager, matcher) -> bool:
+    """True when the grammar has ended: its next mask allows stop tokens only."""
+    import xgrammar as xgr
+    mask = xgr.allocate_token_bitmask(1, mgr.vocab_size)
+    matcher.fill_next_token_bitmask(mask, 0)
+    words = mask[0].to(torch.int64) & 0xFFFFFFFF  # the int32 words as unsigned
+    for t in mgr.eos_token_ids:
+        if 0 <= t < mgr.vocab_size:
+            words[t // 32] &= ~(1 << (t % 32))
+    return not bool(words.any())
