@@ -88,6 +88,10 @@ class EngineConfig:
     max_logprobs: int = _knob(
         20, "most log-probabilities a request may ask for per token (SamplingParams.logprobs); "
             "-1: no limit (up to the vocabulary)")
+    tensor_parallel_size: int = _knob(
+        1, "split every layer's weights and the KV heads across N processes (Megatron-style "
+           "tensor parallelism on torch.distributed: gloo on the CPU, NCCL on GPUs; "
+           "minipaged/distributed/)")
 
     def validate(self) -> None:
         """Every field's type and range (validation.py): a ValueError that starts with the
@@ -123,6 +127,7 @@ class EngineConfig:
         check_bool("async_scheduling", self.async_scheduling, optional=True)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         check_int("max_logprobs", self.max_logprobs, lo=-1, note=" (-1: no limit)")
+        check_int("tensor_parallel_size", self.tensor_parallel_size, lo=1)
 
     # --- every "auto", decided once --------------------------------------------------------
     def resolve(self, model_config) -> "EngineConfig":
@@ -155,6 +160,9 @@ class EngineConfig:
                       async_scheduling=cuda if self.async_scheduling is None
                       else self.async_scheduling)
         out._resolve_lengths(model_config.max_position_embeddings)
+        if out.tensor_parallel_size > 1:  # heads, vocabulary and devices must split N ways
+            from minipaged.distributed.parallel_state import check_tensor_parallel
+            check_tensor_parallel(out, model_config)
         return out
 
     def _resolve_lengths(self, max_position_embeddings: int) -> None:

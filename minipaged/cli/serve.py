@@ -63,8 +63,8 @@ def make_parser() -> argparse.ArgumentParser:
     c = p.add_argument_group("accepted for vLLM compatibility")
     _flag(c, "--trust-remote-code", action="store_true",
           help="not needed: minipaged implements the Llama family itself and runs no model code")
-    _flag(c, "--tensor-parallel-size", "-tp", type=int, default=1,
-          help="minipaged runs on one device; sizes above 1 are ignored with a note")
+    c.add_argument("-tp", dest="tensor_parallel_size", type=int, default=argparse.SUPPRESS,
+                   help="vLLM's short form of --tensor-parallel-size")
     return p
 
 
@@ -75,11 +75,6 @@ def compat_notes(a) -> list[str]:
                      "Python code shipped with a model; minipaged implements the Llama family "
                      "(Llama, Mistral, Qwen2, Qwen3) itself and never runs code from a model "
                      "folder.")
-    if a.tensor_parallel_size != 1:
-        notes.append(f"--tensor-parallel-size {a.tensor_parallel_size}: ignored, minipaged runs on "
-                     f"a single device. vLLM would shard every weight matrix across "
-                     f"{a.tensor_parallel_size} GPUs and all-reduce the partial results after the "
-                     "attention and MLP blocks of each layer.")
     if a.enable_reasoning:
         notes.append("--enable-reasoning: not needed (newer vLLM dropped it too); "
                      "--reasoning-parser turns reasoning on.")

@@ -65,9 +65,14 @@ class LLMEngine:
         self.dtype = parse_dtype(config.dtype)
         self.backend = get_attention_backend(config.attention_backend, config.device)
         torch.manual_seed(config.seed)
+        tp = None
+        if config.tensor_parallel_size > 1:  # N processes, 1/N of every layer each (lesson 09)
+            from minipaged.distributed.launch import start_tensor_parallel
+            tp = start_tensor_parallel(config, self.source)  # the workers load their shards too
         self.model, self.model_config = load_model(self.source, self.dtype, self.device, self.backend,
                                                    max_positions=config.max_model_len, seed=config.seed,
-                                                   fused_ops=config.fused_ops)
+                                                   fused_ops=config.fused_ops, tp=tp)
+        self.kv_config = self.model.config  # the KV heads this process holds: 1/N of them with TP
         self.tokenizer = load_tokenizer(self.source, config.tokenizer)
         self.eos_token_ids = self._eos_ids()
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
@@ -75,15 +80,15 @@ class LLMEngine:
 
         # The KV cache: as many blocks as the memory knobs allow (worker/kv_cache.py).
         self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
-        self.num_blocks = determine_num_blocks(config, self.model_config, self.kv_dtype,
+        self.num_blocks = determine_num_blocks(config, self.kv_config, self.kv_dtype,
                                                self.device, profile=self._profile_peak_memory)
-        self.kv_cache = allocate_kv_cache(self.model_config, self.num_blocks, config.block_size,
+        self.kv_cache = allocate_kv_cache(self.kv_config, self.num_blocks, config.block_size,
                                           self.kv_dtype, self.device,
                                           head_major=config.kv_head_major)
         self.block_manager = BlockManager(self.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         # Swap preemption: a CPU pool of blocks (lesson 06, worker/swap.py).
-        self.block_bytes = block_bytes(self.model_config, config.block_size, self.kv_dtype)
+        self.block_bytes = block_bytes(self.kv_config, config.block_size, self.kv_dtype)
         num_cpu_blocks = determine_num_cpu_blocks(config, self.block_bytes, self.num_blocks)
         self.cpu_cache = allocate_cpu_cache(self.kv_cache, num_cpu_blocks)
         self.block_manager.enable_swap(num_cpu_blocks)
@@ -128,7 +133,7 @@ class LLMEngine:
     def _profile_peak_memory(self) -> int:
         """CUDA: peak activation bytes of one forward at max_num_batched_tokens (no KV cache yet)."""
         from minipaged.worker.gpu_model_runner import profile_peak_memory
-        return profile_peak_memory(self.model, self.backend, self.model_config, self.config,
+        return profile_peak_memory(self.model, self.backend, self.kv_config, self.config,
                                    self.kv_dtype, self.device)
 
     # --- requests ---------------------------------------------------------------------------

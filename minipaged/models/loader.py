@@ -174,16 +174,21 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, backend,
-               max_positions: int, seed: int = 0, fused_ops: bool = False):
+               max_positions: int, seed: int = 0, fused_ops: bool = False, tp=None):
     """Build `LlamaForCausalLM` on `device` in `dtype` and fill its weights.
 
     `fused_ops`: build it from the fused Triton layers (models/fused_layers.py) instead of the
-    torch ones (the engine decides, in `EngineConfig.resolve`).
+    torch ones (the engine decides, in `EngineConfig.resolve`). `tp` (distributed.TPGroup):
+    build this rank's shard of the model instead (models/parallel_llama.py).
     """
     from minipaged.models.layers import get_layers
     from minipaged.models.llama import LlamaForCausalLM
 
     cfg = ModelConfig.from_dict(source.config)
+    if tp is not None:
+        from minipaged.models.parallel_llama import load_tensor_parallel_model
+        return load_tensor_parallel_model(source, cfg, dtype, device, backend, max_positions,
+                                          seed, get_layers(fused_ops), tp), cfg
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, max_positions, get_layers(fused_ops))
     model = model.to_empty(device=device).to(dtype)  # parameters allocated, not yet filled

@@ -6,6 +6,8 @@
     gpu_model_runner.py   the same step built for a GPU: ordered, packed, padded; CUDA graphs
     cuda_graphs.py        decode steps recorded once per batch size and replayed
     async_scheduling.py   plan step t+1 while the GPU runs step t (the whole protocol)
+    tp_worker.py          tensor parallelism: the driver's runner that broadcasts each step, and
+                          the loop a worker process runs (lesson 09)
 """
 from __future__ import annotations
 
@@ -13,7 +15,11 @@ from __future__ import annotations
 def make_model_runner(config, model, kv_cache, backend):
     """The runner a resolved `EngineConfig` asks for, chosen once: the readable `ModelRunner`
     on the CPU, `GPUModelRunner` on CUDA and wherever async scheduling gathers input tokens on
-    the device."""
+    the device. With tensor parallelism, the same runner drives the workers too
+    (tp_worker.py)."""
+    if config.tensor_parallel_size > 1:
+        from minipaged.worker.tp_worker import make_driver_runner
+        return make_driver_runner(config, model, kv_cache, backend)
     if not config.gpu_tuned_inputs:
         from minipaged.worker.model_runner import ModelRunner
         return ModelRunner(model, kv_cache, backend, config.block_size)
