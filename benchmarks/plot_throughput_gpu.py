@@ -4,7 +4,9 @@
 
 One group of bars per model shape (and KV-cache dtype): minipaged and every HF baseline that ran in the same run,
 output tokens per second on a log scale (the gap is two orders of magnitude), each bar labelled.
-HF rows measured on a subsample of the requests say so in the legend.
+The weights are dummy (random, seeded), and each legend entry says how many of the workload's
+requests that backend ran and at what batch size: the HF modes ran on the first requests only
+(`--hf-max-requests`), so their bars are tokens/s over a different, smaller set of requests.
 """
 import json
 import sys
@@ -34,6 +36,18 @@ def load(paths):
     return runs
 
 
+def legend_label(backend: str, r: dict) -> str:
+    """What the bar measured: how many requests, at what batch size."""
+    n, toks = r["num_requests"], r["output_tokens"]
+    if backend == "minipaged":
+        return f"minipaged: all {n} requests ({toks:,} tokens)"
+    what = {"hf-static": f"hf-static, padded batches of {r['concurrency']} (the one size run)",
+            "hf-cb": "hf-cb (transformers' continuous batching)",
+            "hf-sequential": "hf-sequential, one at a time"}.get(backend, backend)
+    first = "the first request" if n == 1 else f"the first {n} requests"
+    return f"{what}: {first} ({toks:,} tokens)"
+
+
 def plot(runs, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.2))
     width = 0.8 / len(ORDER)
@@ -44,19 +58,20 @@ def plot(runs, out: Path) -> None:
             if r is None:
                 continue
             x = i + (j - (len(ORDER) - 1) / 2) * width
-            label = backend + (" (subsample)" if r.get("subsampled") else "")
+            label = legend_label(backend, r)
             ax.bar(x, r["tokens_per_sec"], width, color=COLORS[backend],
                    label=label if label not in labelled else None)
             labelled.add(label)
             ax.text(x, r["tokens_per_sec"] * 1.08, f"{r['tokens_per_sec']:,.0f}", ha="center",
                     va="bottom", fontsize=7, rotation=90 if backend != "minipaged" else 0)
     ax.set_yscale("log")
-    ax.set_ylim(top=max(r["tokens_per_sec"] for _, rows, _ in runs for r in rows.values()) * 6)
+    ax.set_ylim(top=max(r["tokens_per_sec"] for _, rows, _ in runs for r in rows.values()) * 60)
     ax.set_xticks(range(len(runs)), [m for m, _, _ in runs])
     ax.set_ylabel("output tokens / s (log scale)")
     gpu = runs[0][2] if runs else "GPU"
-    ax.set_title(f"nano-vllm workload on an {gpu}: 256 requests, 133,966 output tokens, bf16")
-    ax.legend(fontsize=8, loc="upper right", ncol=2)
+    ax.set_title(f"nano-vllm workload on an {gpu}, dummy weights (random), bf16:\n"
+                 "each backend on the requests its legend entry names", fontsize=10)
+    ax.legend(fontsize=7, loc="upper right", ncol=1, framealpha=0.95)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)

@@ -163,6 +163,59 @@ def test_sampling_stages_mask_what_the_sampler_masks():
         assert float(p.sum()) == pytest.approx(1.0)
 
 
+def _total_variation(drawn, expected) -> float:
+    return 0.5 * float((drawn - expected).abs().sum())
+
+
+def test_engine_draws_what_sampling_stages_computes():
+    """Lesson 04, section 5, as a test: 2000 one-token requests of one prompt through the engine
+    (temperature 0.7, top_p 0.8) land only on the support `viz.sampling_stages` computes, within
+    three times the total variation distance sampling noise gives on average (over engine seeds
+    0-7 the ratio ranged 0.7-1.9), with a chi-square below 30 (8 degrees of freedom: p < 1e-3);
+    the same check rejects the distribution without top_p and the one at T = 1."""
+    import math
+
+    import torch
+
+    from minipaged import LLM
+    from minipaged.lessons import figures
+    llm = LLM("stories260K", max_model_len=256, max_logprobs=-1, seed=0)
+    logits = figures.next_token_logits(llm, figures.SAMPLING_PROMPT)
+    n = 2000
+    outs = llm.generate([figures.SAMPLING_PROMPT] * n,
+                        SamplingParams(temperature=0.7, top_p=0.8, max_tokens=1), use_tqdm=False)
+    drawn = torch.bincount(torch.tensor([o.outputs[0].token_ids[0] for o in outs]),
+                           minlength=len(logits)).float() / n
+    expected = viz.sampling_stages(logits, temperature=0.7, top_p=0.8)["top_p 0.8"]
+    support = torch.nonzero(expected > 0).flatten().tolist()
+    assert 1 < len(support) < len(logits)
+    assert float(drawn[expected == 0].sum()) == 0.0
+    noise = 0.5 * sum(math.sqrt(2 / math.pi) * math.sqrt(float(expected[i]) * (1 - float(expected[i])) / n)
+                      for i in support)
+    assert _total_variation(drawn, expected) < 3 * noise
+    counts, e = drawn[support] * n, expected[support] * n
+    assert len(support) == 9 and float(((counts - e) ** 2 / e).sum()) < 30.0
+    for wrong in (viz.sampling_stages(logits, temperature=0.7)["temperature 0.7"],
+                  viz.sampling_stages(logits)["raw (T=1)"]):
+        assert _total_variation(drawn, wrong) > 6 * noise
+
+
+def test_token_distribution_outlines_are_the_raw_distribution():
+    """The dotted outlines are the raw (T = 1) probabilities, never the first stage drawn."""
+    import torch
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    st = viz.sampling_stages(logits, temperature=0.5)
+    temps = {"temperature 0.5": st["temperature 0.5"]}
+    fig = viz.plot_token_distributions(temps, list("abcde"), top=5, raw=st["raw (T=1)"])
+    heights = sorted(round(p.get_height(), 6) for p in fig.axes[0].patches
+                     if p.get_facecolor()[3] == 0 and p.get_linestyle() == ":")
+    assert heights == sorted(round(float(x), 6) for x in st["raw (T=1)"])
+    plt.close(fig)
+    fig = viz.plot_token_distributions(temps, list("abcde"), top=5)  # no raw: no outline
+    assert not [p for p in fig.axes[0].patches if p.get_linestyle() == ":"]
+    plt.close(fig)
+
+
 def test_widgets_build_headless(engine_trace):
     _, trace = engine_trace
     w = viz.trace_explorer(trace, start=3)

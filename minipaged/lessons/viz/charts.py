@@ -90,23 +90,39 @@ def plot_decode_breakdown(data: Mapping):
 # --- lesson 00: how big the KV cache is -------------------------------------------------------
 def plot_kv_cache_size(models: Mapping[str, int], max_tokens: int = 131072,
                        budget_gib: Optional[float] = None, ax=None, title: Optional[str] = None):
-    """KV cache GiB vs tokens, for {name: bytes per token}; optionally a memory budget line."""
-    fig, ax, own = _figure(ax, (7, 3.2))
+    """KV cache GiB vs tokens, for {name: bytes per token}; optionally a memory budget line.
+
+    Both axes are logarithmic, so with a budget each model's crossing is marked and labelled
+    with the number of tokens that fit (`budget / bytes per token`); a crossing beyond the
+    chart is named in the legend instead."""
+    fig, ax, own = _figure(ax, (7, 3.4))
     xs = [2 ** k for k in range(4, int(math.log2(max_tokens)) + 1)]
     for name, bpt in models.items():
         ys = [x * bpt / 2 ** 30 for x in xs]
-        ax.plot(xs, ys, "o-", markersize=3, label=f"{name}: {bpt / 1024:.2f} KiB/token")
+        label = f"{name}: {bpt / 1024:.2f} KiB/token"
+        fits = budget_gib * 2 ** 30 / bpt if budget_gib is not None else None
+        if fits is not None and fits > xs[-1]:
+            label += f" (fits {fits:,.0f} tokens: off the chart)"
+        (line,) = ax.plot(xs, ys, "o-", markersize=3, label=label)
         ax.annotate(f"{ys[-1]:.2f} GiB at {xs[-1]:,}", (xs[-1], ys[-1]), textcoords="offset points",
                     xytext=(-10, 0), ha="right", va="center", fontsize=7,
                     bbox=dict(facecolor="white", edgecolor="none", alpha=0.8, pad=1))
+        if fits is not None and xs[0] <= fits <= xs[-1]:
+            color = line.get_color()
+            ax.axvline(fits, color=color, linestyle=":", linewidth=1)
+            ax.plot([fits], [budget_gib], "D", color=color, markersize=6, zorder=5)
+            ax.annotate(f"{fits:,.0f} tokens fit\n({budget_gib:.2f} GiB / {bpt / 1024:.0f} KiB)",
+                        (fits, budget_gib), textcoords="offset points", xytext=(-12, -14),
+                        ha="right", va="top", fontsize=8, color=color,
+                        bbox=dict(facecolor="white", edgecolor=color, alpha=0.9, pad=2))
     if budget_gib is not None:
         ax.axhline(budget_gib, color=CATEGORY_COLORS["internal_fragmentation"], linestyle="--",
                    label=f"KV memory available: {budget_gib:.2f} GiB")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("tokens in the cache (summed over all sequences)")
-    ax.set_ylabel("KV cache (GiB)")
-    ax.legend(fontsize=8)
+    ax.set_xlabel("tokens in the cache (summed over all sequences; log scale)")
+    ax.set_ylabel("KV cache (GiB, log scale)")
+    ax.legend(fontsize=7, loc="upper left")
     ax.grid(alpha=0.3)
     ax.set_title(title or "KV cache = 2 × layers × kv_heads × head_dim × bytes × tokens",
                  fontsize=10)
@@ -147,25 +163,38 @@ def sampling_stages(logits, temperature: float = 1.0, top_k: int = 0, top_p: flo
 
 
 def plot_token_distributions(stages: Mapping[str, "object"], token_labels: Sequence[str],
-                             top: int = 20, title: str = ""):
+                             top: int = 20, title: str = "", raw=None):
     """One bar chart per stage over the `top` most likely raw tokens.
 
-    Dotted outlines: the raw probabilities; a red × marks a token the stage masked out.
+    Dotted outlines: `raw`, the model's own probabilities (T = 1); by default the stage whose
+    name starts with "raw" (`sampling_stages` puts it first). Without either, no outline is drawn
+    and the tokens are ordered by the first stage: a stage is never passed off as the raw
+    distribution. A red × marks a token the stage masked out.
     """
     import torch
     names = list(stages)
-    first = stages[names[0]]
-    order = torch.argsort(first, descending=True)[:top].tolist()
+    if raw is None:
+        raw = next((stages[n] for n in names if n.startswith("raw")), None)
+    ref = raw if raw is not None else stages[names[0]]
+    order = torch.argsort(ref, descending=True)[:top].tolist()
     fig, axes = plt.subplots(len(names), 1, figsize=(8, 1.35 * len(names) + 0.9), sharex=True)
     axes = [axes] if len(names) == 1 else list(axes)
+    outlined = False
     for ax, name in zip(axes, names):
         p = stages[name]
         vals = [float(p[i]) for i in order]
-        raw = [float(first[i]) for i in order]
         kept = int((p > 0).sum())
-        ax.bar(range(len(order)), raw, color="none", edgecolor="#bbbbbb", linestyle=":",
-               label="raw p" if ax is axes[0] else None)
-        ax.bar(range(len(order)), vals, color=["#2b8cbe" if v > 0 else "none" for v in vals])
+        ax.bar(range(len(order)), vals, color=["#2b8cbe" if v > 0 else "none" for v in vals],
+               zorder=2)
+        top_y = max(vals)
+        if raw is not None and not name.startswith("raw"):
+            raw_vals = [float(raw[i]) for i in order]
+            ax.bar(range(len(order)), raw_vals, color="none", edgecolor="0.2", linestyle=":",
+                   linewidth=1.0, zorder=3, label=None if outlined else "raw p (T = 1)")
+            if not outlined:
+                ax.legend(fontsize=7, loc="upper right", frameon=False)
+            outlined = True
+            top_y = max(top_y, max(raw_vals))
         for i, v in enumerate(vals):
             if v == 0:
                 ax.text(i, 0, "×", ha="center", va="bottom", fontsize=8, color="#d7191c")
@@ -173,7 +202,7 @@ def plot_token_distributions(stages: Mapping[str, "object"], token_labels: Seque
         ent = float(-(p[p > 0] * p[p > 0].log()).sum())
         ax.set_title(f"{name}: {kept} tokens can be drawn, entropy {ent:.2f} nats", fontsize=9,
                      loc="left")
-        ax.set_ylim(0, max(max(vals), max(raw), 1e-3) * 1.15)
+        ax.set_ylim(0, max(top_y, 1e-3) * 1.15)
     axes[-1].set_xticks(range(len(order)), [repr(token_labels[i])[1:-1] for i in order],
                         rotation=60, fontsize=7)
     if title:
