@@ -168,6 +168,7 @@ CONFIG_FIELDS = {
     "async_scheduling": (optional(st.booleans()), bad_bools(none_ok=True)),
     "kv_cache_dtype": (st.sampled_from(KV_CACHE_DTYPES), bad_choices(KV_CACHE_DTYPES)),
     "max_logprobs": (ints(-1, BIG), bad_ints(-1)),
+    "tensor_parallel_size": (ints(1, 1024), bad_ints(1)),
 }
 
 BEAM_BASE = dict(beam_width=2, max_tokens=4)
