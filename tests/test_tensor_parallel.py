@@ -232,6 +232,15 @@ def test_indivisible_heads_and_too_many_gpus_teach():
     assert not dist.is_initialized()  # refused before any process started
 
 
+def test_kv_cache_error_counts_per_rank():
+    with pytest.raises(ValueError, match=r"320.00 KiB \(640 bytes per token.*per rank: with "
+                                         r"tensor_parallel_size=2 each of the 2 processes holds "
+                                         r"2 of the 4 KV heads"):
+        LLM("stories260K", tensor_parallel_size=2, num_blocks=2, block_size=16)
+    gc.collect()  # the half-built engine's workers stop with its shards
+    assert not dist.is_initialized()
+
+
 def test_killed_worker_gives_a_clear_error_not_a_hang():
     llm = LLM("stories260K", tensor_parallel_size=2)
     llm.generate("Once upon a time", greedy(4), use_tqdm=False)
@@ -279,3 +288,57 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def _descendants(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
+    children: dict[int, list[int]] = {}
+    for line in out.split("\n"):
+        if line.strip():
+            p, pp = map(int, line.split())
+            children.setdefault(pp, []).append(p)
+    found, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            found.append(c)
+            todo.append(c)
+    return found
+
+
+def test_serve_tensor_parallel_answers_the_openai_client():
+    """`minipaged serve --tensor-parallel-size 2`: the engine core process is the driver; SIGTERM
+    ends the server, its core and the core's worker."""
+    import httpx
+    import openai
+    from minipaged.distributed.parallel_state import free_port
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    proc = subprocess.Popen([sys.executable, "-m", "minipaged.cli", "serve", "stories260K",
+                             "--tensor-parallel-size", "2", "--port", str(port), "--device",
+                             "cpu", "--uvicorn-log-level", "warning"], env=env, cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.2)
+        kids = _descendants(proc.pid)
+        assert len(kids) >= 2  # the engine core and its tensor-parallel worker
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                               max_retries=0, timeout=60)
+        out = client.completions.create(model="stories260K", prompt="Once upon a time",
+                                        max_tokens=20, temperature=0)
+        assert out.choices[0].text.startswith(", there was a little girl named Lily.")
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(_alive(k) for k in kids):
+            time.sleep(0.2)
+        assert not any(_alive(k) for k in kids)
+    finally:
+        proc.kill()

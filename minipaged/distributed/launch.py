@@ -240,7 +240,7 @@ def _worker_process(rank: int, world_size: int, init_method: str, config, source
                     parent_pid: int, num_threads: int) -> None:
     """A spawned worker: join the group, load the shard, follow the driver's steps."""
     try:
-        torch.set_num_threads(num_threads)
+        torch.set_num_threads(getattr(config, "cpu_threads", None) or num_threads)  # the driver's
         _exit_with_parent(parent_pid)
         if config.is_cuda:
             torch.cuda.set_device(rank)

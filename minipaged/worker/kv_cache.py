@@ -99,8 +99,18 @@ def determine_num_blocks(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch
         raise kv_cache_too_small_error(max_model_len=cfg.max_model_len,
                                        bytes_per_token=model_cfg.kv_bytes_per_token(dtype),
                                        available_bytes=max(available, 0),
-                                       block_size=cfg.block_size, source=source)
+                                       block_size=cfg.block_size,
+                                       source=source + _per_rank(cfg, model_cfg))
     return int(num_blocks)
+
+
+def _per_rank(cfg: EngineConfig, model_cfg: ModelConfig) -> str:
+    n = cfg.tensor_parallel_size
+    if n == 1:
+        return ""
+    return (f"; per rank: with tensor_parallel_size={n} each of the {n} processes holds "
+            f"{model_cfg.num_key_value_heads} of the {model_cfg.num_key_value_heads * n} KV "
+            f"heads, so every number here is one rank's share")
 
 
 def allocate_kv_cache(model_cfg: ModelConfig, num_blocks: int, block_size: int,
