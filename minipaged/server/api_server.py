@@ -129,11 +129,13 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], *,
               api_key: Optional[str] = None, chat_template: Optional[str] = None,
               reasoning_parser: Optional[type[ThinkTagReasoningParser]] = None,
               model_root: Optional[str] = None,
-              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              tool_parser=None) -> FastAPI:
     """An app around an `AsyncLLM` (whose engine core is already running); it starts reading the
     core's outputs on startup and stops the core on shutdown. `app.state.llm` is the AsyncLLM."""
     args = (llm, served_model_names, chat_template, reasoning_parser)
-    completions, chat = OpenAIServingCompletion(*args), OpenAIServingChat(*args)
+    completions = OpenAIServingCompletion(*args)
+    chat = OpenAIServingChat(*args, tool_parser=tool_parser)  # tool_parsers.py
     tokenization = OpenAIServingTokenization(*args)
 
     @asynccontextmanager

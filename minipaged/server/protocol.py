@@ -87,6 +87,16 @@ class SamplingFields(OpenAIBaseModel):
     stop_token_ids: Optional[list[int]] = Field(None, description="vLLM extension")
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs (lesson 12; server/structured_outputs.py): at most one of these
+    response_format: Optional[dict[str, Any]] = Field(
+        None, description='{"type": "json_object"} or {"type": "json_schema", "json_schema": '
+                          '{"name": ..., "schema": {...}}}')
+    structured_outputs: Optional[dict[str, Any]] = Field(
+        None, description="vLLM extension: one of json, regex, choice, grammar, json_object")
+    guided_json: Optional[Union[str, dict[str, Any]]] = Field(None, description="vLLM extension")
+    guided_regex: Optional[str] = Field(None, description="vLLM extension")
+    guided_choice: Optional[list[str]] = Field(None, description="vLLM extension")
+    guided_grammar: Optional[str] = Field(None, description="vLLM extension (EBNF)")
 
 
 # --- /v1/completions -------------------------------------------------------------------------
@@ -146,6 +156,8 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: Optional[Union[str, list[dict[str, Any]]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # role "tool": which call this result answers
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -155,7 +167,13 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, description="at most the server's --max-logprobs")
-    tools: Optional[list[dict[str, Any]]] = Field(None, description="not supported (400 if set)")
+    tools: Optional[list[dict[str, Any]]] = Field(
+        None, description='[{"type": "function", "function": {"name", "description", '
+                          '"parameters"}}] (server/tool_parsers.py)')
+    tool_choice: Optional[Union[str, dict[str, Any]]] = Field(
+        None, description='"none", "auto", "required" or {"type": "function", "function": '
+                          '{"name": ...}}; default "auto" with --enable-auto-tool-choice')
+    parallel_tool_calls: Optional[bool] = None
     # vLLM extensions
     chat_template: Optional[str] = Field(None, description="a Jinja template for this request")
     chat_template_kwargs: Optional[dict[str, Any]] = None
@@ -180,6 +198,7 @@ class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: Optional[str] = None
     reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
 
 
 class ChatChoice(OpenAIBaseModel):
@@ -221,6 +240,7 @@ class DeltaMessage(OpenAIBaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
     reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
 
 
 class ChatStreamChoice(OpenAIBaseModel):

@@ -22,6 +22,7 @@ from minipaged.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompl
 from minipaged.server.serving_engine import (OpenAIError, OpenAIServing, RequestFailed,
                                              SSEResponse, check_text, finish_fields,
                                              run_unless_disconnected, sse, stop_hold, text_delta)
+from minipaged.server.tool_parsers import ToolChoice
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -47,14 +48,20 @@ class OpenAIServingChat(OpenAIServing):
             msg = {"role": m.role, "content": message_text(m.content)}
             if m.name:
                 msg["name"] = m.name
+            if m.tool_calls:
+                msg["tool_calls"] = m.tool_calls
+            if m.tool_call_id:
+                msg["tool_call_id"] = m.tool_call_id
             messages.append(msg)
         check_text(messages, "messages")
         check_text(req.chat_template, "chat_template")
+        check_text(req.tools, "tools")
+        tools = {"tools": req.tools} if req.tools else {}
 
         def render() -> str:
             return tok.apply_chat_template(messages, tokenize=False, chat_template=template,
                                            add_generation_prompt=req.add_generation_prompt,
-                                           **(req.chat_template_kwargs or {}))
+                                           **tools, **(req.chat_template_kwargs or {}))
         try:
             return await self.llm.run_off_loop(render, "rendering the chat template")
         except RequestError as e:
@@ -65,26 +72,27 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         model = self.model_name(req.model)
-        if req.tools:
-            raise OpenAIError("tool calling is not supported by minipaged", param="tools")
+        tools = ToolChoice(req, self.tool_parser)  # tools / tool_choice checked (tool_parsers.py)
         if req.top_logprobs and not req.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
         max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                       else req.max_tokens)
         params = self.sampling_params(req, max_tokens=max_tokens,
                                       logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                      logprobs_field="top_logprobs")
+                                      logprobs_field="top_logprobs",
+                                      structured_outputs=tools.constraint)
         prompt = TextPrompt(await self.render_chat(req), add_special_tokens=False)
         request_id = random_id("chatcmpl")
         stream = await self.submit([prompt], params, request_id, stream=req.stream)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return SSEResponse(self._events(stream, req, model, request_id, stop_hold(params),
-                                            include_usage))
-        return await run_unless_disconnected(raw, self._full(stream, req, model, request_id))
+                                            include_usage, tools))
+        return await run_unless_disconnected(raw, self._full(stream, req, model, request_id,
+                                                             tools))
 
     async def _full(self, stream: RequestStream, req: ChatCompletionRequest, model: str,
-                    request_id: str) -> Response:
+                    request_id: str, tools: "ToolChoice") -> Response:
         await self.collect(stream)
         choices = []
         for ch in self.choices(stream):
@@ -94,9 +102,12 @@ class OpenAIServingChat(OpenAIServing):
                 reasoning, content = self.reasoning_parser().extract(seq.output_text)
             lp = chat_logprobs(seq, 0, req.top_logprobs or 0) if req.logprobs else None
             reason, stop_reason = finish_fields(seq)
+            content, calls = tools.extract(content)
+            reason = tools.finish_reason(reason, calls)
             choices.append(ChatChoice(
                 index=ch.index, message=ChatResponseMessage(content=content,
-                                                            reasoning_content=reasoning),
+                                                            reasoning_content=reasoning,
+                                                            tool_calls=calls or None),
                 logprobs=lp, finish_reason=reason, stop_reason=stop_reason))
         resp = ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                       usage=self.usage(stream))
@@ -106,12 +117,14 @@ class OpenAIServingChat(OpenAIServing):
         return JSONResponse(body)
 
     async def _events(self, stream: RequestStream, req: ChatCompletionRequest, model: str,
-                      request_id: str, hold: int, include_usage: bool) -> AsyncIterator[str]:
+                      request_id: str, hold: int, include_usage: bool,
+                      tools: "ToolChoice") -> AsyncIterator[str]:
         head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": model}
         choices = self.choices(stream)
         parsers = {ch.index: self.reasoning_parser() if self.reasoning_parser else None
                    for ch in choices}
+        streamers = {ch.index: tools.streamer() for ch in choices}
         try:
             for ch in choices:  # OpenAI's first chunk per choice carries the role
                 yield sse(head | {"choices": [{"index": ch.index, "logprobs": None,
@@ -122,7 +135,8 @@ class OpenAIServingChat(OpenAIServing):
                     raise RequestFailed(state.error)
                 for ch in choices:
                     if ch.seq.request_id == state.request_id:
-                        chunk = self._chunk(ch, req, hold, parsers[ch.index])
+                        chunk = self._chunk(ch, req, hold, parsers[ch.index],
+                                            streamers[ch.index])
                         if chunk is not None:
                             yield sse(head | {"choices": [chunk]})
             if include_usage:
@@ -134,7 +148,7 @@ class OpenAIServingChat(OpenAIServing):
         yield "data: [DONE]\n\n"
 
     @staticmethod
-    def _chunk(ch, req: ChatCompletionRequest, hold: int, parser) -> Optional[dict]:
+    def _chunk(ch, req: ChatCompletionRequest, hold: int, parser, tools) -> Optional[dict]:
         seq: Sequence = ch.seq
         if ch.done or (seq.num_output_tokens == ch.tokens and not seq.is_finished):
             return None
@@ -150,7 +164,11 @@ class OpenAIServingChat(OpenAIServing):
             message = {"content": content or (None if reasoning else "")}
             if reasoning:
                 message["reasoning_content"] = reasoning
+        if tools is not None:  # tool calls: content until a call starts, then call deltas
+            message = tools.delta(message, finished)
         reason, stop_reason = finish_fields(seq)
+        if tools is not None:
+            reason = tools.finish_reason(reason)
         chunk = {"index": ch.index, "delta": message, "logprobs": None,
                  "finish_reason": reason, "stop_reason": stop_reason}
         if req.logprobs:

@@ -33,6 +33,7 @@ from minipaged.sampling import SamplingParams
 from minipaged.server.async_llm import AsyncLLM, EngineDeadError, RequestState, RequestStream
 from minipaged.server.protocol import ErrorInfo, ErrorResponse, SamplingFields, UsageInfo
 from minipaged.server.reasoning import ThinkTagReasoningParser
+from minipaged.server.structured_outputs import request_structured_outputs
 
 
 class OpenAIError(Exception):
@@ -150,11 +151,13 @@ class Choice:
 class OpenAIServing:
     def __init__(self, llm: AsyncLLM, served_model_names: list[str],
                  chat_template: Optional[str] = None,
-                 reasoning_parser: Optional[type[ThinkTagReasoningParser]] = None):
+                 reasoning_parser: Optional[type[ThinkTagReasoningParser]] = None,
+                 tool_parser=None):
         self.llm = llm
         self.served_model_names = served_model_names
         self.chat_template = chat_template
         self.reasoning_parser = reasoning_parser
+        self.tool_parser = tool_parser  # --tool-call-parser with --enable-auto-tool-choice
 
     @property
     def tokenizer(self):
@@ -178,7 +181,15 @@ class OpenAIServing:
         return requested
 
     def sampling_params(self, req: SamplingFields, *, max_tokens: Optional[int],
-                        logprobs: Optional[int], logprobs_field: str) -> SamplingParams:
+                        logprobs: Optional[int], logprobs_field: str,
+                        structured_outputs=None) -> SamplingParams:
+        """`structured_outputs`: a constraint the endpoint sets (a forced tool call); else the
+        request's own (response_format, structured_outputs, guided_*)."""
+        if structured_outputs is None:
+            structured_outputs = request_structured_outputs(req, OpenAIError)
+        if structured_outputs is not None and self.tokenizer is None:
+            raise OpenAIError("structured outputs need the model's tokenizer, and this model has "
+                              "none (dummy weights?)", param="structured_outputs")
         if req.logit_bias:
             raise OpenAIError("logit_bias is not supported by minipaged", param="logit_bias")
         if logprobs is not None and logprobs > self.max_logprobs:
@@ -198,7 +209,8 @@ class OpenAIServing:
                 seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens,
                 logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
-                include_stop_str_in_output=req.include_stop_str_in_output)
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                structured_outputs=structured_outputs)
         except ValueError as e:  # SamplingParams' own checks say what is wrong and why
             field = str(e).split(" ", 1)[0]
             raise OpenAIError(str(e), param=field if field in type(req).model_fields
@@ -209,7 +221,9 @@ class OpenAIServing:
         try:
             return await self.llm.generate(prompts, params, request_id, stream=stream)
         except RequestError as e:  # prompt too long, bad token ids, tokenizing took too long
-            raise OpenAIError(str(e), param="prompt" if "prompt" in str(e) else None) from None
+            param = ("structured_outputs" if str(e).startswith("structured_outputs")
+                     else "prompt" if "prompt" in str(e) else None)
+            raise OpenAIError(str(e), param=param) from None
         except EngineDeadError as e:
             raise OpenAIError(str(e), 503, type="server_error") from None
 
