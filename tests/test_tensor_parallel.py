@@ -342,3 +342,30 @@ def test_serve_tensor_parallel_answers_the_openai_client():
         assert not any(_alive(k) for k in kids)
     finally:
         proc.kill()
+
+
+def test_torchrun_env_init(tmp_path):
+    """env:// (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from torchrun): rank 0's LLM(...) is the
+    engine, rank 1's runs the worker loop and its process exits when the driver is done."""
+    from minipaged.distributed.parallel_state import free_port
+    from tests.helpers import STORIES_EXPECTED
+    script = tmp_path / "tp_script.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        torch.set_num_threads(1)
+        from minipaged import LLM, SamplingParams
+        llm = LLM("stories260K", tensor_parallel_size=2)
+        out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=40),
+                           use_tqdm=False)[0]
+        print("TOKENS", out.prompt_token_ids + out.outputs[0].token_ids, flush=True)
+    """))
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        pytest.skip("no torchrun beside this python")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    run = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()),
+                          str(script)], env=env, cwd=REPO, capture_output=True, text=True,
+                         timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("TOKENS")]
+    assert lines == [f"TOKENS {STORIES_EXPECTED}"]  # printed by rank 0 only
