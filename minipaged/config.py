@@ -35,14 +35,14 @@ def _knob(default, help: str, **flag):
 @dataclass
 class EngineConfig:
     model: str = _knob("stories260K", "stories260K, an HF folder or hub id, or dummy:<preset>")
-    tokenizer: Optional[str] = _knob(None, "tokenizer folder or hub id; default: the model's")
+    tokenizer: Optional[str] = _knob(None, "tokenizer folder or hub id; auto: the model's")
     dtype: str = _knob("auto", "weights and activations; auto: the model's config.json",
                        choices=DTYPES)
     max_model_len: Optional[int] = _knob(
-        None, "longest prompt + output in tokens; default: the model's max_position_embeddings")
+        None, "longest prompt + output in tokens; auto: the model's max_position_embeddings")
     max_num_seqs: int = _knob(256, "most sequences in one batch; more requests wait in the queue")
     max_num_batched_tokens: Optional[int] = _knob(
-        None, "token budget of one step (prefill chunks + decodes); default 2048, or "
+        None, "token budget of one step (prefill chunks + decodes); auto: 2048, or "
               "max_model_len without chunked prefill")
     block_size: int = _knob(16, "tokens per KV-cache block (a power of two)")
     gpu_memory_utilization: float = _knob(
@@ -50,8 +50,8 @@ class EngineConfig:
     num_blocks: Optional[int] = _knob(
         None, "KV-cache size in blocks (wins over the memory knobs)")
     kv_cache_memory: Optional[int] = _knob(
-        None, "KV-cache size in bytes; CPU default: max_num_seqs full-length sequences, at most "
-              "4 GiB")
+        None, "KV-cache size in bytes; auto: on the CPU max_num_seqs full-length sequences, at "
+              "most 4 GiB; on a GPU what gpu_memory_utilization leaves")
     enable_prefix_caching: bool = _knob(True, "reuse the KV blocks of identical prompt prefixes")
     enable_chunked_prefill: bool = _knob(
         True, "split long prompts into chunks that share steps with decodes")
@@ -59,27 +59,27 @@ class EngineConfig:
         "recompute", "recompute: free a preempted sequence's blocks and prefill it again later; "
                      "swap: copy them to a CPU pool and back", choices=PREEMPTION_MODES)
     swap_space: Optional[float] = _knob(
-        None, "GiB of CPU pool for preemption_mode=swap; default: as large as the KV cache")
+        None, "GiB of CPU pool for preemption_mode=swap; auto: as large as the KV cache")
     num_cpu_blocks: Optional[int] = _knob(
         None, "CPU pool size in blocks (wins over swap_space)")
     seed: int = _knob(0, "seed of the weights' dummy init and of unseeded sampling")
     device: str = _knob("auto", "auto: cuda if torch sees a GPU, else cpu")
     attention_backend: Optional[str] = _knob(
-        None, "default: triton on CUDA, torch_ref elsewhere", choices=ATTENTION_BACKENDS)
+        None, "auto: triton on CUDA, torch_ref elsewhere", choices=ATTENTION_BACKENDS)
     fused_ops: Optional[bool] = _knob(
         None, "fused Triton kernels for norm + residual add, SiLU-and-multiply and q/k norm + "
-              "RoPE + K/V store (models/fused_layers.py); default: on for CUDA with the triton "
+              "RoPE + K/V store (models/fused_layers.py); auto: on for CUDA with the triton "
               "backend. On the CPU they need TRITON_INTERPRET=1 set before minipaged is "
               "imported (slow, for tests)")
     max_trace_len: Optional[int] = _knob(
         None, "keep only the newest N StepRecords in engine.trace (`serve` keeps 10000: a "
-              "server runs for days); default: every step")
+              "server runs for days); auto: every step")
     record_block_tables: bool = _knob(
         False, "snapshot every block table into the trace (lessons' plots)")
     enforce_eager: bool = _knob(False, "never replay decode steps from CUDA graphs")
     async_scheduling: Optional[bool] = _knob(
         None, "plan and launch step t+1 while the GPU still runs step t, reading step t's tokens "
-              "one step late (worker/async_scheduling.py); default: on for CUDA, off on the CPU")
+              "one step late (worker/async_scheduling.py); auto: on for CUDA, off on the CPU")
     kv_cache_dtype: str = _knob(
         "auto", "what the KV cache stores. auto: the model's dtype; fp8 (fp8_e4m3): float8 e4m3, "
                 "one byte per element, unscaled and clamped to +-448: twice the tokens per GiB, "
@@ -216,18 +216,33 @@ def engine_fields() -> list:
     return list(fields(EngineConfig))
 
 
+def format_bytes(n: int) -> str:
+    """Bytes as people read them: 1000 bytes, 20.0 KiB, 640.0 MiB, 7.00 GiB."""
+    for unit, scale in (("GiB", GiB), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} bytes"
+
+
 def kv_cache_too_small_error(*, max_model_len: int, bytes_per_token: int, available_bytes: int,
                              block_size: int, source: str) -> ValueError:
-    """vLLM-style message: needed vs available GiB, the largest max_model_len that fits, knobs."""
+    """vLLM-style message: needed vs available memory, the largest max_model_len that fits, and
+    the values of the knobs that would make it fit."""
+    per_block = bytes_per_token * block_size
     blocks_needed = cdiv(max_model_len, block_size)
-    needed = blocks_needed * block_size * bytes_per_token
-    fits = (available_bytes // (bytes_per_token * block_size)) * block_size
+    needed = blocks_needed * per_block
+    blocks = available_bytes // per_block
+    fits = blocks * block_size
+    fit = (f"The largest max_model_len that fits is {fits}. " if fits else
+           "Not even one block fits, so no max_model_len does. ")
     return ValueError(
         f"To serve at least one request with max_model_len={max_model_len}, the KV cache needs "
-        f"{needed / GiB:.4f} GiB ({bytes_per_token} bytes per token), but only "
-        f"{available_bytes / GiB:.4f} GiB is available for it ({source}). The largest "
-        f"max_model_len that fits is {fits}. Lower max_model_len, or give the cache more memory: "
-        f"raise gpu_memory_utilization (on a GPU), or num_blocks / kv_cache_memory.")
+        f"{blocks_needed} blocks of {block_size} tokens = {format_bytes(needed)} "
+        f"({bytes_per_token} bytes per token, {format_bytes(per_block)} per block), but only "
+        f"{format_bytes(available_bytes)} is available for it ({source}): {blocks} blocks. {fit}"
+        f"Fix: {f'lower max_model_len to {fits} or less, or ' if fits else ''}give the cache "
+        f"more memory: num_blocks >= {blocks_needed}, kv_cache_memory >= {needed} (bytes; "
+        f"{needed / GiB:.3g} GiB), or a higher gpu_memory_utilization (on a GPU).")
 
 
 def knob_docs(indent: str = "    ") -> str:

@@ -8,7 +8,7 @@ import pytest
 
 from minipaged import EngineConfig
 from minipaged.cli.args import add_engine_args, engine_config_from_args, flag_names
-from minipaged.cli.commands import main
+from minipaged.cli import main
 from minipaged.config import engine_fields
 from minipaged.models.config import ModelConfig
 from minipaged.models.loader import resolve_model
@@ -26,14 +26,29 @@ def _engine_flags(text: str) -> set[str]:
     return set(re.findall(r"--[a-z][a-z0-9_-]*", section))
 
 
-def test_generate_bench_and_serve_list_the_same_engine_flags(capsys):
-    flags = {cmd: _engine_flags(_help(cmd, capsys)) for cmd in ("generate", "bench", "serve")}
-    assert flags["generate"] == flags["bench"] == flags["serve"]
-    for f in engine_fields():  # every field is a flag, in both spellings
-        assert set(flag_names(f.name)) <= flags["serve"], f.name
+def test_generate_chat_bench_and_serve_list_the_same_engine_flags(capsys):
+    commands = ("generate", "chat", "bench", "serve")
+    flags = {cmd: _engine_flags(_help(cmd, capsys)) for cmd in commands}
+    assert flags["generate"] == flags["chat"] == flags["bench"] == flags["serve"]
+    for f in engine_fields():  # every field is a flag
+        assert flag_names(f.name, twins=False)[0] in flags["serve"], f.name
     for name in ("--kv-cache-dtype", "--no-async-scheduling", "--no-fused-ops",
-                 "--no-enable-prefix-caching", "--preemption-mode", "--swap-space"):
+                 "--no-enable-prefix-caching", "--preemption-mode", "--swap-space",
+                 "--download-dir", "--revision"):
         assert name in flags["serve"]
+
+
+def test_underscore_spellings_and_auto(capsys):
+    from minipaged.cli.serve import parse_args
+    a = parse_args(["--max_model_len", "64", "--no-enable_prefix_caching", "--api_key", "k",
+                    "--attention-backend", "auto", "--num-blocks", "auto"])
+    assert (a.max_model_len, a.enable_prefix_caching, a.api_key) == (64, False, "k")
+    assert parse_args(["-tp", "2"]).tensor_parallel_size == 2  # vLLM's short form
+    assert a.attention_backend is None and a.num_blocks is None  # auto: EngineConfig decides
+    text = _help("serve", capsys)
+    backend = " ".join(text[text.index("\n  --attention-backend"):].split("\n  --", 2)[1].split())
+    assert "{auto,torch_ref,triton}" in backend and "None" not in backend
+    assert "(default: auto)" in backend
 
 
 def test_flags_become_the_config_they_name():

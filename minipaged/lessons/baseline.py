@@ -7,14 +7,15 @@
                    explicit `ContinuousBatchingConfig` (its default sizes the cache from system RAM).
 
 Each returns a `BaselineResult` with the generated tokens and the wall time, so benchmarks and
-lessons can put them side by side with minipaged.
+lessons can put them side by side with minipaged. `on_finished(n)`, when given, hears that n more
+requests are done (a progress bar's `update`: `minipaged bench` and `demo` pass one).
 """
 from __future__ import annotations
 
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -71,7 +72,8 @@ def _gen_kwargs(max_new_tokens: int, ignore_eos: bool, pad_token_id: int) -> dic
 @quiet_transformers()
 @torch.inference_mode()
 def hf_sequential(model, prompts: list[list[int]], max_new_tokens: list[int],
-                  ignore_eos: bool = True) -> BaselineResult:
+                  ignore_eos: bool = True,
+                  on_finished: Optional[Callable[[int], None]] = None) -> BaselineResult:
     """One request at a time, greedy."""
     device = model.device
     pad = model.config.pad_token_id or 0
@@ -81,13 +83,16 @@ def hf_sequential(model, prompts: list[list[int]], max_new_tokens: list[int],
         x = torch.tensor([ids], device=device)
         y = model.generate(x, attention_mask=torch.ones_like(x), **_gen_kwargs(n, ignore_eos, pad))
         outs.append(y[0, len(ids):].tolist())
+        if on_finished is not None:
+            on_finished(1)
     return BaselineResult("hf-sequential", outs, time.perf_counter() - t0)
 
 
 @quiet_transformers()
 @torch.inference_mode()
 def hf_static(model, prompts: list[list[int]], max_new_tokens: list[int], batch_size: int = 64,
-              ignore_eos: bool = True) -> BaselineResult:
+              ignore_eos: bool = True,
+              on_finished: Optional[Callable[[int], None]] = None) -> BaselineResult:
     """Left-padded static batches in arrival order; each batch runs to its longest request."""
     device = model.device
     pad = model.config.pad_token_id or 0
@@ -107,6 +112,8 @@ def hf_static(model, prompts: list[list[int]], max_new_tokens: list[int], batch_
         for i, n in enumerate(lens):
             outs.append(y[i, width:width + n].tolist())
         padded += sum(width - len(p) for p in batch) + sum(steps - n for n in lens)
+        if on_finished is not None:
+            on_finished(len(batch))
     return BaselineResult("hf-static", outs, time.perf_counter() - t0, batch_size=batch_size,
                           padded_tokens=padded)
 
@@ -115,7 +122,8 @@ def hf_static(model, prompts: list[list[int]], max_new_tokens: list[int], batch_
 @torch.inference_mode()
 def hf_continuous(model, prompts: list[list[int]], max_new_tokens: list[int],
                   ignore_eos: bool = True, max_batch_tokens: int = 2048,
-                  num_blocks: Optional[int] = None, block_size: int = 32) -> BaselineResult:
+                  num_blocks: Optional[int] = None, block_size: int = 32,
+                  on_finished: Optional[Callable[[int], None]] = None) -> BaselineResult:
     """transformers' continuous batching with an explicit cache size, greedy."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
     longest = max(len(p) + n for p, n in zip(prompts, max_new_tokens))
@@ -147,6 +155,8 @@ def hf_continuous(model, prompts: list[list[int]], max_new_tokens: list[int],
                 if r.error:
                     raise RuntimeError(f"HF continuous batching failed: {r.error}")
                 results[r.request_id] = r.generated_tokens
+                if on_finished is not None:
+                    on_finished(1)
     finally:
         manager.stop(block=True, timeout=30)
     elapsed = time.perf_counter() - t0

@@ -14,7 +14,11 @@ Workloads (all seeded, all ignore EOS so every request produces exactly its max_
 
 Each backend yields a `BenchResult` (the course notes' fields: backend, num_requests,
 concurrency, elapsed_sec, qps, output_tokens, tokens_per_sec) plus ratios to the best HF mode.
-HF modes may run on a subsample (`--hf-max-requests`); the table says so.
+`concurrency` is what a run achieved: the most sequences one forward pass computed (minipaged:
+the largest step of its trace, which `max_num_seqs` and the KV cache bound); `batch_limit` names
+the knob that bounds it. The table calls them "peak batch" and "batch limit". HF modes may run
+on a subsample (`--hf-max-requests`); the table says so. `progress(n)`, when given, hears that n
+more requests finished (`minipaged bench` passes a tqdm bar's `update`).
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ import platform
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -50,13 +54,15 @@ def make_workload(name: str, vocab_size: int, num_requests: Optional[int] = None
                   input_len: int = 128, output_len: int = 128, bos: Optional[int] = None,
                   max_model_len: Optional[int] = None) -> Workload:
     rng = random.Random(seed)
+    if num_requests is not None and num_requests < 1:
+        raise ValueError(f"num_requests must be at least 1, got {num_requests}")
     if name == "nanovllm":  # drawn exactly as nano-vllm's bench.py draws it
-        n = num_requests or 256
+        n = 256 if num_requests is None else num_requests
         random.seed(seed)
         prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(n)]
         max_tokens = [random.randint(100, 1024) for _ in range(n)]
         return Workload(name, prompts, max_tokens)
-    n = num_requests or 64
+    n = 64 if num_requests is None else num_requests
     if name == "cpu":
         lens = [(rng.randint(4, 64), rng.randint(16, 256)) for _ in range(n)]
     elif name in ("sharegpt", "alpaca"):
@@ -84,21 +90,23 @@ def make_workload(name: str, vocab_size: int, num_requests: Optional[int] = None
 class BenchResult:
     backend: str
     num_requests: int
-    concurrency: int
+    concurrency: int  # the most sequences one forward pass computed ("peak batch")
     elapsed_sec: float
     qps: float
     output_tokens: int
     tokens_per_sec: float
     subsampled: bool = False
+    batch_limit: str = ""  # the knob that bounds `concurrency`, e.g. "max_num_seqs=256"
     extra: dict = field(default_factory=dict)
 
 
-def _result(backend, num_requests, concurrency, elapsed, output_tokens, subsampled=False, **extra):
+def _result(backend, num_requests, concurrency, elapsed, output_tokens, subsampled=False,
+            batch_limit="", **extra):
     return BenchResult(backend=backend, num_requests=num_requests, concurrency=concurrency,
                        elapsed_sec=round(elapsed, 4), qps=round(num_requests / elapsed, 3),
                        output_tokens=output_tokens,
                        tokens_per_sec=round(output_tokens / elapsed, 1), subsampled=subsampled,
-                       extra=extra)
+                       batch_limit=batch_limit, extra=extra)
 
 
 def percentiles_ms(xs: list[float]) -> dict:
@@ -110,7 +118,8 @@ def percentiles_ms(xs: list[float]) -> dict:
     return {"p50": round(float(p50), 2), "p90": round(float(p90), 2), "p99": round(float(p99), 2)}
 
 
-def run_minipaged(llm, wl: Workload, temperature: float = 0.0) -> BenchResult:
+def run_minipaged(llm, wl: Workload, temperature: float = 0.0,
+                  use_tqdm: bool = False) -> BenchResult:
     from minipaged import SamplingParams
     params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True, seed=None)
               for m in wl.max_tokens]
@@ -125,15 +134,16 @@ def run_minipaged(llm, wl: Workload, temperature: float = 0.0) -> BenchResult:
         torch.cuda.synchronize()
     first_step = len(llm.engine.trace)
     t0 = time.perf_counter()
-    outs = llm.generate(wl.prompts, params, use_tqdm=False)
+    outs = llm.generate(wl.prompts, params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     ttft = [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in outs]
     itl = [(o.metrics["finished_time"] - o.metrics["first_token_time"]) / (len(o.outputs[0].token_ids) - 1)
            for o in outs if len(o.outputs[0].token_ids) > 1]
-    cfg = llm.engine.config
-    return _result("minipaged", len(outs), cfg.max_num_seqs, elapsed, tokens,
-                   ttft_ms=percentiles_ms(ttft), itl_ms=percentiles_ms(itl),
+    trace = llm.engine.trace[first_step:]
+    peak = max((len(r.scheduled) for r in trace), default=0)  # sequences in the largest step
+    return _result("minipaged", len(outs), peak, elapsed, tokens,
+                   batch_limit=f"max_num_seqs={llm.engine.config.max_num_seqs}", ttft_ms=percentiles_ms(ttft), itl_ms=percentiles_ms(itl),
                    preemptions=sum(o.metrics["num_preemptions"] for o in outs),
                    **step_breakdown(llm.engine.trace[first_step:]),
                    **bandwidth(llm, wl, elapsed, llm.engine.trace[first_step:]))
@@ -179,27 +189,36 @@ def bandwidth(llm, wl: Workload, elapsed: float, trace) -> dict:
     return out
 
 
-def run_hf(backend: str, model, wl: Workload, batch_size: int, subsampled: bool) -> BenchResult:
+def run_hf(backend: str, model, wl: Workload, batch_size: int, subsampled: bool,
+           progress: Optional[Callable[[int], None]] = None) -> BenchResult:
     from minipaged.lessons import baseline
-    fn = {"hf-sequential": lambda: baseline.hf_sequential(model, wl.prompts, wl.max_tokens),
-          "hf-static": lambda: baseline.hf_static(model, wl.prompts, wl.max_tokens, batch_size),
-          "hf-cb": lambda: baseline.hf_continuous(model, wl.prompts, wl.max_tokens)}[backend]
+    args = (model, wl.prompts, wl.max_tokens)
+    fn = {"hf-sequential": lambda: baseline.hf_sequential(*args, on_finished=progress),
+          "hf-static": lambda: baseline.hf_static(*args, batch_size, on_finished=progress),
+          "hf-cb": lambda: baseline.hf_continuous(*args, on_finished=progress)}[backend]
     r = fn()
-    concurrency = {"hf-sequential": 1, "hf-static": batch_size, "hf-cb": len(wl.prompts)}[backend]
-    return _result(backend, len(wl.prompts), concurrency, r.elapsed, r.output_tokens,
-                   subsampled=subsampled, padded_tokens=r.padded_tokens)
+    n = len(wl.prompts)
+    # hf-cb admits every request at once (max_requests_per_batch=n, a cache that holds them all):
+    # its peak batch is n, as configured (transformers does not report it).
+    peak, limit = {"hf-sequential": (1, "one at a time"),
+                   "hf-static": (min(batch_size, n), f"batch_size={batch_size}"),
+                   "hf-cb": (n, f"max_requests_per_batch={n}")}[backend]
+    return _result(backend, n, peak, r.elapsed, r.output_tokens, subsampled=subsampled,
+                   batch_limit=limit, padded_tokens=r.padded_tokens)
 
 
 def format_table(results: list[BenchResult]) -> str:
     hf = [r for r in results if r.backend.startswith("hf")]
     best = max(hf, key=lambda r: r.tokens_per_sec) if hf else None
-    rows = ["| backend | requests | concurrency | elapsed s | qps | output tokens | tok/s | vs best HF |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| backend | requests | peak batch | batch limit | elapsed s | qps | output tokens "
+            "| tok/s | vs best HF |",
+            "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in results:
         ratio = f"{r.tokens_per_sec / best.tokens_per_sec:.2f}x" if best else "-"
         name = r.backend + (" (subsample)" if r.subsampled else "")
-        rows.append(f"| {name} | {r.num_requests} | {r.concurrency} | {r.elapsed_sec:.2f} | "
-                    f"{r.qps:.2f} | {r.output_tokens} | {r.tokens_per_sec:,.0f} | {ratio} |")
+        rows.append(f"| {name} | {r.num_requests} | {r.concurrency} | {r.batch_limit or '-'} | "
+                    f"{r.elapsed_sec:.2f} | {r.qps:.2f} | {r.output_tokens} | "
+                    f"{r.tokens_per_sec:,.0f} | {ratio} |")
     return "\n".join(rows)
 
 

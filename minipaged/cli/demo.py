@@ -1,18 +1,19 @@
-"""The `minipaged` command: `demo`, `generate`, `bench` and `serve`.
+"""`minipaged demo`: stories260K through minipaged and through naive Hugging Face, side by side.
 
-    minipaged demo                                    stories260K: minipaged vs naive HF, side by side
-    minipaged generate --prompt "Once upon a time"    one-off generation
-    minipaged bench --workload cpu                    throughput table vs the HF baselines
-    minipaged serve stories260K --port 8000           OpenAI-compatible server
+    minipaged demo                        32 requests, greedy, up to 128 new tokens each
+    minipaged demo --num-requests 8 --max-tokens 64 --show 3
+
+Both run the same prompts greedily; the demo prints a few stories, the two speeds and their
+ratio, how many requests produced identical tokens (all of them: exit status 1 otherwise), and
+what the KV blocks held. A bar follows each run (`--disable-tqdm` hides them).
 """
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from typing import Optional
 
-from minipaged.cli.args import HelpFormatter, add_engine_args, engine_kwargs
+from minipaged.cli.args import FlexibleArgumentParser, add_common_args, int_at_least
+from minipaged.cli.errors import run_command
 
 DEMO_OPENINGS = [
     "Once upon a time", "One day, a little girl named Lily", "Tom had a big red ball",
@@ -29,31 +30,38 @@ DEMO_OPENINGS = [
 ]
 
 
-def cmd_generate(a) -> int:
-    from minipaged import LLM, SamplingParams
-    llm = LLM(**engine_kwargs(a))
-    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                            max_tokens=a.max_tokens)  # unseeded rows draw from --seed's stream
-    for out in llm.generate(a.prompt, params, use_tqdm=False):
-        print(f"{out.prompt}{out.outputs[0].text}")
-        print(f"[{len(out.outputs[0].token_ids)} tokens, finish_reason={out.outputs[0].finish_reason}]")
-    return 0
+def make_parser() -> FlexibleArgumentParser:
+    ap = FlexibleArgumentParser(prog="minipaged demo", description=__doc__)
+    ap.add_argument("--num-requests", type=int_at_least(1), default=32,
+                    help=f"how many story openings to run (at most {len(DEMO_OPENINGS)})")
+    ap.add_argument("--max-tokens", type=int_at_least(1), default=128,
+                    help="most new tokens per request")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    ap.add_argument("--show", type=int_at_least(0), default=8, help="how many stories to print")
+    ap.add_argument("--disable-tqdm", action="store_true", help="no progress bars")
+    add_common_args(ap)
+    return ap
 
 
-def cmd_demo(a) -> int:
+def demo(argv: list[str]) -> int:
+    a = make_parser().parse_args(argv)
+    if a.num_requests > len(DEMO_OPENINGS):
+        raise ValueError(f"--num-requests {a.num_requests}: the demo has {len(DEMO_OPENINGS)} "
+                         f"story openings; use --num-requests {len(DEMO_OPENINGS)} or fewer")
     import torch
+    from tqdm.auto import tqdm
 
     from minipaged import LLM, SamplingParams
     from minipaged.lessons.baseline import hf_sequential, load_hf_model
 
     prompts = DEMO_OPENINGS[:a.num_requests]
     print(f"minipaged demo: {len(prompts)} stories260K requests, greedy, up to {a.max_tokens} "
-          f"new tokens each, on {torch.get_num_threads()} CPU threads\n")
+          f"new tokens each, on {torch.get_num_threads()} CPU threads\n", flush=True)
     llm = LLM("stories260K", block_size=a.block_size, device="cpu")
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens)
     llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=not a.disable_tqdm)
     t_mp = time.perf_counter() - t0
     usage_peak = max(r.num_blocks_used for r in llm.trace)
 
@@ -61,7 +69,10 @@ def cmd_demo(a) -> int:
     hf = load_hf_model(str(llm.engine.source.path))
     ids = [tok(p).input_ids for p in prompts]
     hf_sequential(hf, ids[:2], [4, 4], ignore_eos=False)  # warm-up
-    base = hf_sequential(hf, ids, [a.max_tokens] * len(ids), ignore_eos=False)
+    with tqdm(total=len(ids), desc="HF sequential", disable=a.disable_tqdm,
+              dynamic_ncols=True) as bar:
+        base = hf_sequential(hf, ids, [a.max_tokens] * len(ids), ignore_eos=False,
+                             on_finished=bar.update)
 
     for p, o in zip(prompts[:a.show], outs):
         first = (p + o.outputs[0].text).split("\n")[0]
@@ -82,35 +93,8 @@ def cmd_demo(a) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "bench":
-        from minipaged.cli.bench import main as bench_main
-        bench_main(argv[1:])
-        return 0
-    if argv and argv[0] == "serve":
-        from minipaged.cli.serve import main as serve_main
-        return serve_main(argv[1:])
-    ap = argparse.ArgumentParser(prog="minipaged", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="stories260K through minipaged and naive HF, side by side")
-    d.add_argument("--num-requests", type=int, default=32)
-    d.add_argument("--max-tokens", type=int, default=128)
-    d.add_argument("--block-size", type=int, default=16)
-    d.add_argument("--show", type=int, default=8, help="how many stories to print")
-    g = sub.add_parser("generate", help="generate text for one or more prompts",
-                       formatter_class=HelpFormatter)
-    g.add_argument("--prompt", action="append", required=True)
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    add_engine_args(g)
-    sub.add_parser("bench", help="throughput vs HF baselines (see `minipaged bench --help`)")
-    sub.add_parser("serve", help="OpenAI-compatible server (see `minipaged serve --help`)")
-    a = ap.parse_args(argv)
-    return {"demo": cmd_demo, "generate": cmd_generate}[a.cmd](a)
+    return run_command(demo, argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())
