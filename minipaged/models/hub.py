@@ -125,16 +125,24 @@ def fetch_gguf(model: GGUFModel, local_dir: Path, revision: Optional[str] = None
     raise HubUnavailableError("; ".join(failures))
 
 
+def unset_token_ids(reader) -> list[str]:
+    """The keys of the special-token ids (tokenizer.ggml.*_token_id) outside the vocabulary."""
+    tokens = reader.get_field("tokenizer.ggml.tokens")
+    if tokens is None:
+        return []
+    vocab_size = len(tokens.data)
+    return [name for name, field in reader.fields.items()
+            if name.startswith("tokenizer.ggml.") and name.endswith("_token_id")
+            and field.contents() >= vocab_size]
+
+
 def drop_unset_token_ids(src: Path, dst: Path) -> Path:
     """`src`, or a copy at `dst` without the special-token ids that point outside the vocabulary."""
     import gguf
     from gguf.scripts.gguf_new_metadata import copy_with_new_metadata
 
     reader = gguf.GGUFReader(src)
-    vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
-    unset = [name for name, field in reader.fields.items()
-             if name.startswith("tokenizer.ggml.") and name.endswith("_token_id")
-             and field.contents() >= vocab_size]
+    unset = unset_token_ids(reader)
     if not unset:
         return src
     writer = gguf.GGUFWriter(dst, arch=reader.fields["general.architecture"].contents(),

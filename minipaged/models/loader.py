@@ -4,6 +4,7 @@
     LLM("/path/to/hf_dir")        config.json + *.safetensors + tokenizer files
     LLM("Qwen/Qwen3-0.6B")        a hub id (downloaded when the machine is online)
     LLM("dummy:qwen3-0.6b")       a real architecture's shapes with random ("dummy") weights
+    LLM("/path/to/model.gguf")    a llama.cpp GGUF file, read directly (gguf_loader.py)
 
 stories260K is looked for, in order, in `download_dir` when one is given, every directory in
 $MINIPAGED_MODEL_PATH (os.pathsep separated), `../shared/models` beside the current directory and
@@ -25,7 +26,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from minipaged.models import hub
+from minipaged.models import gguf_loader, hub
 from minipaged.models.config import ModelConfig
 
 BUILTIN_MODELS = {key: model.name for key, model in hub.HUB_MODELS.items()}  # "stories260k" -> folder
@@ -116,8 +117,9 @@ class ModelSource:
 
     name: str
     config: dict
-    path: Optional[Path]  # HF-format directory (None for dummy presets)
+    path: Optional[Path]  # HF-format directory (None for dummy presets and GGUF files)
     dummy: bool = False
+    gguf: Optional[Path] = None  # a GGUF file: config, weights and tokenizer read from it
 
     @property
     def has_tokenizer(self) -> bool:
@@ -136,6 +138,9 @@ def resolve_model(model: str | os.PathLike, download_dir: Optional[str | os.Path
             raise ValueError(f"unknown dummy preset {preset!r}; presets: {dummy_presets()}")
         text = resources.files("minipaged.models").joinpath("presets", f"{preset}.json").read_text()
         return ModelSource(name=model, config=json.loads(text), path=None, dummy=True)
+    if gguf_loader.is_gguf(model):
+        return ModelSource(name=model, config=gguf_loader.gguf_config(model), path=None,
+                           gguf=Path(model))
     if model.lower() in BUILTIN_MODELS:
         path = resolve_builtin(model, download_dir, revision)
     elif Path(model).is_dir():
@@ -195,6 +200,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ba
     model.rotary.init_table(device)
     if source.dummy:
         model.init_dummy_weights(seed)
+    elif source.gguf is not None:
+        model.load_weights(gguf_loader.iter_gguf_weights(source.gguf))
     else:
         model.load_weights(iter_safetensors(source.path))
     return model.eval(), cfg
@@ -205,6 +212,8 @@ def load_tokenizer(source: ModelSource, tokenizer: Optional[str] = None):
     from transformers import AutoTokenizer
     if tokenizer is not None:
         return AutoTokenizer.from_pretrained(tokenizer)
+    if source.gguf is not None:
+        return gguf_loader.load_gguf_tokenizer(source.gguf, source.config["max_position_embeddings"])
     if not source.has_tokenizer:
         return None
     return AutoTokenizer.from_pretrained(str(source.path))

@@ -110,6 +110,10 @@ def load_tensor_parallel_model(source, cfg: ModelConfig, dtype, device, backend,
     model.rotary.init_table(device)
     if source.dummy:
         model.init_dummy_weights(seed)
+    elif source.gguf is not None:  # whole tensors dequantized, then this rank's slice kept
+        from minipaged.models.gguf_loader import iter_gguf_weights
+        model.load_weights((name, shard_of(w, shard_dim(name), tp.rank, tp.world_size))
+                           for name, w in iter_gguf_weights(source.gguf))
     else:
         model.load_shards(source.path)
     return model.eval()
