@@ -7,6 +7,7 @@
     sharing.py        lesson 06's sharing and preemption experiments
     baseline.py       the naive Hugging Face baselines (sequential, static, continuous batching)
     bench.py          workloads and the side-by-side throughput runs (`minipaged bench`)
+    tp.py             lesson 09's tensor-parallel shards, data-flow pictures and gloo timings
 
 None of it is on the engine's path: the engine never imports this package.
 """
