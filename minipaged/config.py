@@ -64,6 +64,13 @@ class EngineConfig:
         None, "CPU pool size in blocks (wins over swap_space)")
     seed: int = _knob(0, "seed of the weights' dummy init and of unseeded sampling")
     device: str = _knob("auto", "auto: cuda if torch sees a GPU, else cpu")
+    cpu_threads: Optional[int] = _knob(
+        None, "torch intra-op threads (process-wide: torch.set_num_threads, applied when the "
+              "engine is built; not a vLLM knob). Default on the CPU: keep the caller's choice "
+              "(OMP_NUM_THREADS / MKL_NUM_THREADS, or torch.set_num_threads called before), "
+              "else 1 thread for models narrower than 1024 (stories260K: 64) and one per "
+              "physical core for wider ones; on CUDA torch's threads are left alone "
+              "(worker/cpu_threads.py)")
     attention_backend: Optional[str] = _knob(
         None, "auto: triton on CUDA, torch_ref elsewhere", choices=ATTENTION_BACKENDS)
     fused_ops: Optional[bool] = _knob(
@@ -118,6 +125,8 @@ class EngineConfig:
         check_int("num_cpu_blocks", self.num_cpu_blocks, lo=0, optional=True)
         check_int("seed", self.seed, SEED_MIN, SEED_MAX)
         check_str("device", self.device)
+        check_int("cpu_threads", self.cpu_threads, lo=1, optional=True,
+                  note=" (None: decided for the model and device)")
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS,
                      optional=True, note=" (None: the device's default)")
         check_bool("fused_ops", self.fused_ops, optional=True)
@@ -133,10 +142,11 @@ class EngineConfig:
     def resolve(self, model_config) -> "EngineConfig":
         """A validated copy with every "auto" / `None` decided for this model and device.
 
-        `model_config` (models.config.ModelConfig) gives the default dtype and the longest
-        `max_model_len`. The fast paths are all chosen here: the engine, the worker and the model
-        read the answers (`device`, `attention_backend`, `fused_ops`, `async_scheduling` and the
-        properties below) and never decide again.
+        `model_config` (models.config.ModelConfig) gives the default dtype, the longest
+        `max_model_len` and the width that decides `cpu_threads`. The fast paths are all chosen
+        here: the engine, the worker and the model read the answers (`device`,
+        `attention_backend`, `fused_ops`, `async_scheduling`, `cpu_threads` and the properties
+        below) and never decide again.
         """
         import torch
 
@@ -156,7 +166,10 @@ class EngineConfig:
         fused = self.fused_ops
         if fused is None:
             fused = cuda and backend == "triton"
+        from minipaged.worker.cpu_threads import resolve_cpu_threads
+        threads = resolve_cpu_threads(self.cpu_threads, device, model_config.hidden_size)
         out = replace(self, device=device, dtype=dtype, attention_backend=backend, fused_ops=fused,
+                      cpu_threads=threads,
                       async_scheduling=cuda if self.async_scheduling is None
                       else self.async_scheduling)
         out._resolve_lengths(model_config.max_position_embeddings)

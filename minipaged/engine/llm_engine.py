@@ -48,6 +48,7 @@ from minipaged.models.loader import load_model, load_tokenizer, resolve_model
 from minipaged.sampling import SamplerOutput, SamplingParams, Sampler
 from minipaged.structured_output.manager import StructuredOutputManager
 from minipaged.worker import make_model_runner
+from minipaged.worker.cpu_threads import apply_cpu_threads
 from minipaged.worker.kv_cache import (allocate_kv_cache, block_bytes, determine_num_blocks,
                                        kv_cache_torch_dtype)
 from minipaged.worker.swap import (allocate_cpu_cache, determine_num_cpu_blocks, swap_in_blocks,
@@ -61,6 +62,7 @@ class LLMEngine:
         self.source = resolve_model(config.model)
         model_cfg = ModelConfig.from_dict(self.source.config)
         self.config = config = config.resolve(model_cfg)  # every "auto" decided, once
+        apply_cpu_threads(config.cpu_threads)  # process-wide torch state (worker/cpu_threads.py)
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
         self.backend = get_attention_backend(config.attention_backend, config.device)
