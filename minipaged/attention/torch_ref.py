@@ -109,23 +109,35 @@ class TorchRefBackend(AttentionBackend):
     def attend(self, q, k_cache, v_cache, metadata, scale):
         """One gather and one masked SDPA per group of sequences."""
         plan: TorchRefPlan = metadata.plan
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        num_heads, num_kv_heads, head_dim = q.shape[1], k_cache.shape[2], k_cache.shape[3]
+        group = num_heads // num_kv_heads  # query heads per KV head (GQA)
         k_flat, v_flat = _slots(k_cache), _slots(v_cache)
         out = q.new_empty(q.shape) if not plan.identity_order else None
         for g in plan.groups:
             if plan.identity_order:  # rows already in order: a view, no gather
-                qg = q.view(g.token_index.shape + q.shape[1:]).transpose(1, 2)
+                qg = q.view(g.token_index.shape + q.shape[1:])
             else:
-                qg = q[g.token_index].transpose(1, 2)  # (G, max_q, heads, dim) -> (G, heads, max_q, dim)
-            G, ctx = g.slots.shape
+                qg = q[g.token_index]  # (G, max_q, heads, dim)
+            G, max_q = g.token_index.shape
+            ctx = g.slots.shape[1]
+            # GQA: the `group` query heads that read one KV head become `group` times as many
+            # query rows of that head, so SDPA runs one problem per KV head and reads its K/V
+            # once, instead of once per query head with enable_gqa=True (the Triton decode
+            # kernel packs heads the same way; benchmarks/README.md has what it saved).
+            # Row t * group + j of KV head h is query position t of query head h * group + j;
+            # the rows of one position share its mask row (a view when max_q is 1, a decode).
+            qg = (qg.view(G, max_q, num_kv_heads, group, head_dim).transpose(1, 2)
+                  .reshape(G, num_kv_heads, max_q * group, head_dim))  # (G, kv_heads, rows, dim)
+            mask = (g.mask[:, :, :, None, :].expand(G, 1, max_q, group, ctx)
+                    .reshape(G, 1, max_q * group, ctx))  # (G, 1, rows, max_ctx)
             # index_select on the flat slot list is much faster than 2-D fancy indexing
             kg = k_flat.index_select(0, g.slots.view(-1)).view(G, ctx, num_kv_heads, head_dim)
             vg = v_flat.index_select(0, g.slots.view(-1)).view(G, ctx, num_kv_heads, head_dim)
             kg = kg.view(k_cache.dtype).transpose(1, 2).to(q.dtype)  # (G, kv_heads, max_ctx, dim)
             vg = vg.view(v_cache.dtype).transpose(1, 2).to(q.dtype)
-            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
-                                                enable_gqa=True)
-            og = og.transpose(1, 2)  # (G, max_q, heads, dim)
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
+            og = (og.view(G, num_kv_heads, max_q, group, head_dim).transpose(1, 2)
+                  .reshape(G, max_q, num_heads, head_dim))  # (G, max_q, heads, dim)
             if plan.identity_order:
                 return og.reshape(q.shape)
             if g.valid is None:
