@@ -75,7 +75,8 @@ def measure(folder: str, thread_counts: list[int], repeats: int) -> dict:
 def busy_seconds() -> float:
     """CPU seconds every process on the machine has used since boot (/proc/stat)."""
     with open("/proc/stat") as f:
-        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(
+            int, f.readline().split()[1:9])
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
@@ -142,7 +143,8 @@ def main() -> None:
                                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
                     rates = json.loads(res.stdout.strip().splitlines()[-1])
                     # cores other processes kept busy while it ran (the burner among them)
-                    others = ((busy_seconds() - busy0) - (_children_cpu() - ours0)) / (time.time() - t0)
+                    others = ((busy_seconds() - busy0) - (_children_cpu() - ours0)) / (
+                        time.time() - t0)
                 finally:
                     if burner is not None:
                         burner.kill()

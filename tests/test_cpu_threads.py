@@ -125,7 +125,8 @@ def test_cuda_leaves_threads_alone(monkeypatch):
     apply_cpu_threads(cfg.cpu_threads)
     assert torch.get_num_threads() == 3
     # An explicit value is the caller's word on any device.
-    assert EngineConfig(model="stories260K", device="cuda", cpu_threads=2).resolve(mc).cpu_threads == 2
+    explicit = EngineConfig(model="stories260K", device="cuda", cpu_threads=2).resolve(mc)
+    assert explicit.cpu_threads == 2
     assert resolve_cpu_threads(None, "cuda:1", 4096) is None
 
 
