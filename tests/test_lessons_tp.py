@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from minipaged.lessons import tp  # noqa: E402
+from minipaged.lessons import tp, tp_measure  # noqa: E402
 from minipaged.models.config import ModelConfig  # noqa: E402
 from minipaged.models.parallel_layers import shard_dim, shard_of  # noqa: E402
 
@@ -49,7 +49,7 @@ def test_step_messages():
 def test_measure_counts_the_real_forwards_collectives():
     """Two spawned ranks run stories260K's step the engine's way; the collectives counted inside
     its forward are step_messages' table, and every time is positive."""
-    out = tp.measure(2, models=("stories260K",), num_seqs=4, context_len=20, sizes=(1024,),
+    out = tp_measure.measure(2, models=("stories260K",), num_seqs=4, context_len=20, sizes=(1024,),
                      repeats=2, sweep_repeats=2)
     (s,) = out["steps"]
     cfg = ModelConfig.from_dict(tp.model_source("stories260K").config)

@@ -7,7 +7,8 @@
     sharing.py        lesson 06's sharing and preemption experiments
     baseline.py       the naive Hugging Face baselines (sequential, static, continuous batching)
     bench.py          workloads and the side-by-side throughput runs (`minipaged bench`)
-    tp.py             lesson 09's tensor-parallel shards, data-flow pictures and gloo timings
+    tp.py             lesson 09's tensor-parallel shards and data-flow pictures
+    tp_measure.py     lesson 09's gloo timings of one step (compute vs communication)
 
 None of it is on the engine's path: the engine never imports this package.
 """
