@@ -5,7 +5,7 @@
 * safetensors shards read with get_slice equal the cut tensors; dummy weights shard the same way;
 * greedy tokens at tensor_parallel_size=2 equal N=1 and HF: stories260K under preemption and
   chunked prefill with mixed-length concurrent prompts, random Llama / Qwen2 / Qwen3 in float64;
-* the teaching errors; a killed worker gives a clear error and no hang; workers stop with the
+* the teaching errors; a killed worker, and one that raises, give a clear error and no hang; workers stop with the
   engine and when the driver dies.
 """
 import gc
@@ -252,6 +252,29 @@ def test_killed_worker_gives_a_clear_error_not_a_hang():
         llm.generate(random_prompts(8, 512, 5, 40, seed=1), greedy(20), use_tqdm=False)
     assert time.monotonic() - t0 < 30
     with pytest.raises(RuntimeError, match="rank 1"):  # and again, at once
+        llm.generate("Once upon a time", greedy(4), use_tqdm=False)
+    del llm
+    gc.collect()
+    assert not dist.is_initialized()
+
+
+def test_worker_that_raises_is_named_with_its_traceback():
+    """A worker that raises (not killed): the driver's next step fails at once with that rank's
+    traceback quoted, every later call too, and nothing is left running."""
+    from minipaged.distributed.step_inputs import send_header
+    llm = LLM("stories260K", tensor_parallel_size=2)
+    llm.generate("Once upon a time", greedy(4), use_tqdm=False)
+    tp = llm.engine.model.tp
+    send_header(tp.cpu_group, 99)  # a message the worker's loop does not know: it raises
+    proc = tp.workers.procs[1]
+    proc.join(20)
+    assert proc.exitcode == 1  # it reported its error and exited
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)worker rank 1 .* raised:.*RuntimeError: "
+                                           r"unexpected message 99 from the driver"):
+        llm.generate(random_prompts(4, 512, 5, 20, seed=2), greedy(8), use_tqdm=False)
+    assert time.monotonic() - t0 < 30
+    with pytest.raises(RuntimeError, match="unexpected message 99"):  # and again, at once
         llm.generate("Once upon a time", greedy(4), use_tqdm=False)
     del llm
     gc.collect()
