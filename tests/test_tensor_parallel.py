@@ -4,7 +4,7 @@
   cut by the shard loaders (the embedding with ids at the shard boundaries), on 2 processes;
 * safetensors shards read with get_slice equal the cut tensors; dummy weights shard the same way;
 * greedy tokens at tensor_parallel_size=2 equal N=1 and HF: stories260K under preemption and
-  chunked prefill with mixed-length concurrent prompts, random Llama / Qwen2 / Qwen3 in float64;
+  chunked prefill with mixed-length concurrent prompts, and under swap preemption, random Llama / Qwen2 / Qwen3 in float64;
 * the teaching errors; a killed worker, and one that raises, give a clear error and no hang; workers stop with the
   engine and when the driver dies.
 """
@@ -175,6 +175,25 @@ def test_stories260k_tp2_equals_tp1_and_hf_under_preemption_and_chunked_prefill(
     assert outs == [o.outputs[0].token_ids for o in
                     one.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)]
     assert outs == hf_greedy(stories_hf, prompts, lengths)
+
+
+def test_stories260k_tp2_swap_preemption_equals_tp1(stories_hf):
+    """preemption_mode='swap' with N = 2: every rank copies its shard of a victim's blocks to
+    its own CPU pool and back, in the step the driver's scheduler planned."""
+    prompts = random_prompts(16, 512, 2, 40, seed=11)
+    lengths = [8 + (5 * i) % 25 for i in range(len(prompts))]
+    kw = dict(block_size=8, num_blocks=20, max_model_len=128, enable_prefix_caching=False,
+              preemption_mode="swap")
+    llm = LLM("stories260K", tensor_parallel_size=2, **kw)
+    outs = [o.outputs[0].token_ids for o in
+            llm.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)]
+    swapped = sum(len(r.swapped_out or []) for r in llm.engine.trace)
+    del llm
+    gc.collect()
+    assert swapped > 0  # the workload did swap (the workers' copies were needed)
+    one = LLM("stories260K", **kw)
+    assert outs == [o.outputs[0].token_ids for o in
+                    one.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)]
 
 
 def _tiny_hf(family: str, path, vocab=96):
