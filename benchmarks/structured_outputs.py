@@ -59,8 +59,10 @@ def main() -> None:
     ap.add_argument("--model", default="stories260K")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: the model's)")
-    ap.add_argument("--synthetic-vocab", action="store_true",
+    vocab = ap.add_mutually_exclusive_group()
+    vocab.add_argument("--tokenizer", default=None,
+                       help="a tokenizer folder (default: the model's)")
+    vocab.add_argument("--synthetic-vocab", action="store_true",
                     help="build a byte-level tokenizer of the model's vocabulary size "
                          "(benchmarks/synthetic_tokenizer.py) and use it")
     ap.add_argument("--num-requests", type=int, default=64)
@@ -87,8 +89,8 @@ def main() -> None:
         from synthetic_tokenizer import write_synthetic_tokenizer
         vocab_size = resolve_model(a.model).config["vocab_size"]
         t0 = time.perf_counter()
-        tokenizer = str(write_synthetic_tokenizer(tempfile.mkdtemp(prefix="synthetic_vocab_"),
-                                                  vocab_size))
+        folder = tempfile.TemporaryDirectory(prefix="synthetic_vocab_")  # removed at exit
+        tokenizer = str(write_synthetic_tokenizer(folder.name, vocab_size))
         print(f"synthetic {vocab_size:,}-token byte-level tokenizer in "
               f"{time.perf_counter() - t0:.1f} s: {tokenizer}")
     # no prefix caching: each way runs the same prompts and must prefill them as the first did
@@ -149,7 +151,9 @@ def main() -> None:
     workload = (f"cpu: {a.num_requests} requests, prompts U[4,64], outputs U[16,256]"
                 + ("" if a.max_tokens is None else f" capped at {a.max_tokens}")
                 + ", seed 0, greedy, ignore_eos")
-    out = {"benchmark": "structured_outputs", "model": a.model, "device": a.device,
+    out = {"benchmark": "structured_outputs",
+           "command": " ".join(["python benchmarks/structured_outputs.py", *sys.argv[1:]]),
+           "model": a.model, "device": a.device,
            "dtype": str(llm.config.dtype),
            "tokenizer": ("synthetic byte-level BPE (benchmarks/synthetic_tokenizer.py, seed 0)"
                          if a.synthetic_vocab else a.tokenizer or "the model's"),

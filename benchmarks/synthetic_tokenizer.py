@@ -18,8 +18,9 @@ as `LLM(..., tokenizer=OUT_DIR)`), shaped like a GPT-2/Qwen vocabulary:
   * special tokens at fixed ids, Qwen3's by default (`<|endoftext|>` 151643, `<|im_start|>` 151644,
     `<|im_end|>` 151645 = EOS, as in `dummy:qwen3-0.6b`'s config).
 
-The same arguments give the same files. Exactly `vocab_size` ids, 0 .. vocab_size - 1, each one
-token. Qwen3's size takes ~10 s on one core (most of it the trainer).
+The same arguments give the same files (under one `tokenizers` version: its trainer breaks ties
+its own way). Exactly `vocab_size` ids, 0 .. vocab_size - 1, each one token. Qwen3's size takes
+~10 s on one core, most of it the trainer.
 """
 from __future__ import annotations
 
