@@ -69,6 +69,7 @@ def test_measure_cost_runs_both_ways_on_the_same_tokens(llm):
     live = structured.measure_cost(llm, num_requests=4, max_tokens=8, repeats=1)
     assert live["none"]["output_tokens"] == live["all constrained"]["output_tokens"] == 32
     assert live["none"]["mask_cpu_sec"] < live["all constrained"]["mask_cpu_sec"]
+    assert live["none"]["accept_cpu_sec"] == 0 < live["all constrained"]["accept_cpu_sec"]
     assert live["ratio"] > 0
     committed = json.loads((ROOT / "benchmarks/results/structured_outputs_cpu_stories260k.json")
                            .read_text())

@@ -163,15 +163,16 @@ def measure_cost(llm, schema: dict = LONG_SCHEMA, num_requests: int = 32, max_to
                  repeats: int = 5, seed: int = 0) -> dict:
     """One batch of `num_requests` greedy requests (EOS ignored), every row constrained against
     none, interleaved `repeats` times; the best CPU time (`time.process_time`: robust when other
-    programs share the cores) of each, and the CPU time inside `apply_masks`."""
+    programs share the cores) of each, and the CPU time inside `apply_masks` and `accept`."""
     eng = llm.engine
     mgr = eng.structured_output
     so = StructuredOutputsParams(json=schema)
     rng = np.random.default_rng(seed)
     prompts = [[1] + rng.integers(3, eng.model_config.vocab_size, int(n)).tolist()
                for n in rng.integers(4, 32, num_requests)]
-    inside: list[float] = []
-    real = mgr.apply_masks
+    inside: list[float] = []  # CPU seconds in apply_masks
+    accepting: list[float] = []  # ... and in accept (matchers advanced by the new tokens)
+    real, real_accept = mgr.apply_masks, mgr.accept
 
     def timed(logits, seqs):
         t0 = time.process_time()
@@ -179,16 +180,23 @@ def measure_cost(llm, schema: dict = LONG_SCHEMA, num_requests: int = 32, max_to
         inside.append(time.process_time() - t0)
         return out
 
-    def run(constrained: bool) -> tuple[float, float, int]:
+    def timed_accept(seq):
+        t0 = time.process_time()
+        out = real_accept(seq)
+        accepting.append(time.process_time() - t0)
+        return out
+
+    def run(constrained: bool) -> tuple[float, float, float, int]:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
                                 structured_outputs=so if constrained else None)
         inside.clear()
+        accepting.clear()
         t0 = time.process_time()
         outs = llm.generate(prompts, params, use_tqdm=False)
-        return (time.process_time() - t0, sum(inside),
+        return (time.process_time() - t0, sum(inside), sum(accepting),
                 sum(len(o.outputs[0].token_ids) for o in outs))
 
-    mgr.apply_masks = timed
+    mgr.apply_masks, mgr.accept = timed, timed_accept
     try:
         run(True)  # warm-up: the grammar compiles for this vocabulary once
         best = {"none": None, "all constrained": None}
@@ -198,11 +206,12 @@ def measure_cost(llm, schema: dict = LONG_SCHEMA, num_requests: int = 32, max_to
                 if best[name] is None or r[0] < best[name][0]:
                     best[name] = r
     finally:
-        mgr.apply_masks = real
+        mgr.apply_masks, mgr.accept = real, real_accept
     out = {"num_requests": num_requests, "max_tokens": max_tokens, "repeats": repeats}
-    for name, (cpu, masks, tokens) in best.items():
+    for name, (cpu, masks, accepts, tokens) in best.items():
         out[name] = {"cpu_sec": cpu, "output_tokens": tokens, "tokens_per_cpu_sec": tokens / cpu,
-                     "mask_cpu_sec": masks, "mask_share": masks / cpu}
+                     "mask_cpu_sec": masks, "mask_share": masks / cpu,
+                     "accept_cpu_sec": accepts, "accept_share": accepts / cpu}
     out["ratio"] = out["all constrained"]["tokens_per_cpu_sec"] / out["none"]["tokens_per_cpu_sec"]
     return out
 
