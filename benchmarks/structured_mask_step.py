@@ -108,7 +108,8 @@ def main() -> None:
            "command": " ".join(["python benchmarks/structured_mask_step.py", *sys.argv[1:]]),
            "rows": a.rows, "steps": a.steps, "warmup_steps_dropped": warm,
            "vocab_size": a.vocab_size, "library": "xgrammar " + version("xgrammar"),
-           "cpu_count": os.cpu_count(), "results": results,
+           "cpu_count": os.cpu_count(), "load_average_1min": round(os.getloadavg()[0], 2),
+           "results": results,
            "accept_ms_per_step": round(1e3 * statistics.median(accept_times[warm:]), 3),
            "output_tokens_per_row": a.steps}
     print(f"{a.rows} rows, {a.vocab_size:,}-token vocabulary, {a.steps} steps (median)")

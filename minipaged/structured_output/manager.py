@@ -75,6 +75,7 @@ class StructuredOutputManager:
         self._bitmask: Optional[torch.Tensor] = None  # (max_num_seqs, ceil(vocab / 32)) int32
         self._indices: Optional[torch.Tensor] = None  # (max_num_seqs,) int32: constrained rows
         self._copied = None  # CUDA event: the last copy out of the host buffers is done
+        self._one_row: Optional[torch.Tensor] = None  # (1, ceil(vocab / 32)): has it ended?
 
     # --- when a request is added ------------------------------------------------------------
     def _xgr(self):
@@ -188,7 +189,9 @@ class StructuredOutputManager:
 def _only_stop_tokens(mgr: StructuredOutputManager, matcher) -> bool:
     """True when the grammar has ended: its next mask allows stop tokens only."""
     import xgrammar as xgr
-    mask = xgr.allocate_token_bitmask(1, mgr.vocab_size)
+    if mgr._one_row is None:
+        mgr._one_row = xgr.allocate_token_bitmask(1, mgr.vocab_size)
+    mask = mgr._one_row
     matcher.fill_next_token_bitmask(mask, 0)
     words = mask[0].to(torch.int64) & 0xFFFFFFFF  # the int32 words as unsigned
     for t in mgr.eos_token_ids:
