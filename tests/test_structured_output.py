@@ -128,10 +128,12 @@ def _pressure_run(**cfg):
     return sos, outs, llm.trace
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_keeps_the_grammar_state(mode):
+@pytest.mark.parametrize("mode, async_scheduling", [("recompute", False), ("swap", False),
+                                                     ("recompute", True)])
+def test_preemption_keeps_the_grammar_state(mode, async_scheduling):
     _, ref, _ = _pressure_run(num_blocks=1024)
-    sos, outs, trace = _pressure_run(num_blocks=40, preemption_mode=mode)
+    sos, outs, trace = _pressure_run(num_blocks=40, preemption_mode=mode,
+                                     async_scheduling=async_scheduling)
     assert sum(len(r.preempted) for r in trace) > 0
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
     for so, o in zip(sos, outs):
