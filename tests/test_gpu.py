@@ -223,3 +223,43 @@ def test_structured_outputs_on_gpu_with_a_qwen3_sized_vocabulary(tmp_path):
         doc = json.loads(c.text)
         assert sorted(doc) == ["n", "ok", "pet"] and isinstance(doc["ok"], bool)
         assert doc["n"] in range(1, 10) and doc["pet"] in ("cat", "dog")
+
+
+def test_structured_outputs_async_scheduling_equals_sync_on_gpu(tmp_path):
+    """Constrained steps stay asynchronous on CUDA (the previous tokens read before the masks
+    are filled, the bitmask copied from pinned memory while the forward runs): the same tokens
+    as synchronous steps. Every row is held to an array that cannot end before max_tokens, so
+    both runs step the same batches."""
+    import gc
+    import sys
+    from pathlib import Path
+    pytest.importorskip("xgrammar")
+    from minipaged.structured_output import StructuredOutputsParams
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from structured_outputs import SCHEMA
+    from synthetic_tokenizer import write_synthetic_tokenizer
+
+    folder = write_synthetic_tokenizer(tmp_path / "vocab")
+    prompts = _prompts(32, 151936, 6)
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True,
+                        structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    res, in_flight = [], 0
+    for flag in (False, True):
+        gc.collect()
+        torch.cuda.empty_cache()
+        llm = LLM("dummy:qwen3-0.6b", tokenizer=str(folder), device="cuda", dtype="bfloat16",
+                  max_model_len=512, gpu_memory_utilization=0.2, enable_prefix_caching=False,
+                  async_scheduling=flag)
+        eng = llm.engine
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, sp)
+        outs = []
+        while eng.has_unfinished_requests():
+            outs += eng.step()
+            in_flight += flag and eng.async_scheduling.pending is not None
+        done = {o.request_id: o.outputs[0] for o in outs if o.finished}
+        res.append([done[str(i)].token_ids for i in range(len(prompts))])
+        assert all(done[str(i)].text.startswith("[") for i in range(len(prompts)))
+        del llm, eng
+    assert in_flight > 20
+    assert res[0] == res[1]
