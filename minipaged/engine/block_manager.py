@@ -17,6 +17,8 @@ Two layers, following vLLM's names:
 
 A block's hash is `hash((parent_block_hash, token_ids_of_this_block))`, so equal hashes mean equal
 *prefixes*, not just equal blocks; token ids are compared on every hit to rule out collisions.
+A sequence with a LoRA adapter mixes its `lora_int_id` into every hash: the same tokens under
+another adapter (or none) have other K/V, so they never share a block.
 
 Swapping (lesson 06, `preemption_mode="swap"`): a second `BlockAllocator` owns the blocks of a
 CPU pool. `swap_out` moves a group of sequences' tables there (a block shared inside the group
@@ -122,9 +124,11 @@ class BlockAllocator:
         block.token_ids = ()
 
 
-def hash_block(parent_hash: Optional[int], token_ids: tuple[int, ...]) -> int:
-    """Prefix-aware block hash: equal hashes mean equal token prefixes up to this block."""
-    return hash((parent_hash, token_ids))
+def hash_block(parent_hash: Optional[int], token_ids: tuple[int, ...],
+               lora_int_id: int = 0) -> int:
+    """Prefix-aware block hash: equal hashes mean equal token prefixes up to this block, computed
+    with the same LoRA adapter (0: none), so blocks are never shared across adapters."""
+    return hash((parent_hash, token_ids, lora_int_id) if lora_int_id else (parent_hash, token_ids))
 
 
 def _move(table: list[int], src: BlockAllocator, dst: BlockAllocator,
@@ -212,7 +216,7 @@ class BlockManager:
         parent: Optional[int] = None
         for start in range(0, len(tokens) - 1 - bs + 1, bs):  # only blocks inside tokens[:-1]
             chunk = tuple(tokens[start:start + bs])
-            h = hash_block(parent, chunk)
+            h = hash_block(parent, chunk, seq.lora_int_id)
             block = self.allocator.lookup(h, chunk)
             if block is None:
                 break
@@ -317,7 +321,7 @@ class BlockManager:
         num_full = min(known // bs, len(table))
         for i in range(len(hashes), num_full):
             chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = hash_block(hashes[-1] if hashes else None, chunk)
+            h = hash_block(hashes[-1] if hashes else None, chunk, seq.lora_int_id)
             hashes.append(h)
             self.allocator.register(self.allocator.blocks[table[i]], h, chunk)
 

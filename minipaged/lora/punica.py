@@ -1,0 +1,107 @@
+"""Many adapters in one batch: the per-token gathered shrink/expand, in plain torch (lesson 11).
+
+A LoRA layer adds `(x @ A.T) @ B.T * scaling` to the base layer's output. When the tokens of
+one step belong to different adapters (and some to none), each token needs *its* adapter's A
+and B. Punica's idea (SGMV / BGMV) is to keep every loaded adapter in a stacked slot tensor and
+give each token a slot index, so one batched "shrink" (x -> rank r) and one "expand" (r -> out)
+serve the whole mixed batch instead of one small matmul per adapter:
+
+    x            (num_tokens, in)
+    lora_a       (max_loras, n, in)      n = slices * max_lora_rank (zero-padded)
+    lora_b       (max_loras, out, n)
+    token_lora   (num_tokens,)           the token's slot, -1 = base model only
+    shrink       t[i] = x[i] @ lora_a[token_lora[i]].T                      (num_tokens, n)
+    expand       y[i] += t[i] @ lora_b[token_lora[i]].T * scaling[token_lora[i]]
+
+This file is the readable definition and the oracle: it gathers each token's A and B and runs
+a batched matmul. `triton_punica.py` computes the same sums on CUDA without materialising the
+gathered weights (tokens sorted by slot, one tile of a slot's weights read per tile of tokens);
+tests/test_lora.py checks one against the other. `PunicaWrapper` holds the step's token-to-slot
+mapping that the model runner sets before each forward (layers.py reads it).
+"""
+from __future__ import annotations
+
+import torch
+
+from minipaged.utils import to_device
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_lora: torch.Tensor) -> torch.Tensor:
+    """t[i] = x[i] @ lora_a[token_lora[i]].T for the tokens with an adapter; 0 for the others."""
+    rows = (token_lora >= 0).nonzero().squeeze(1)  # tokens that have an adapter
+    t = x.new_zeros(x.shape[0], lora_a.shape[1])  # (num_tokens, n)
+    a = lora_a[token_lora[rows]]  # (rows, n, in): each token's own A, gathered
+    t[rows] = torch.bmm(a, x[rows].unsqueeze(2)).squeeze(2)  # (rows, n)
+    return t
+
+
+def lora_expand(y: torch.Tensor, t: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor,
+                token_lora: torch.Tensor) -> torch.Tensor:
+    """y[i] += t[i] @ lora_b[token_lora[i]].T * scaling[token_lora[i]], in place; returns y."""
+    rows = (token_lora >= 0).nonzero().squeeze(1)
+    idx = token_lora[rows]
+    b = lora_b[idx]  # (rows, out, n): each token's own B, gathered
+    delta = torch.bmm(b, t[rows].unsqueeze(2)).squeeze(2)  # (rows, out)
+    y.index_add_(0, rows, delta * scaling[idx].to(delta.dtype)[:, None])
+    return y
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+             scaling: torch.Tensor, token_lora: torch.Tensor) -> torch.Tensor:
+    """y += each token's LoRA delta (shrink, then expand); returns y."""
+    return lora_expand(y, lora_shrink(x, lora_a, token_lora), lora_b, scaling, token_lora)
+
+
+class PunicaWrapper:
+    """One step's token -> slot mapping, shared by every LoRA layer (vLLM's PunicaWrapper).
+
+    The buffers are allocated once (`max_num_tokens` long) and refilled by `update` before each
+    forward, so a CUDA graph captured over them replays with the new step's mapping. Besides
+    `token_lora` it keeps the tokens sorted by slot (`sorted_token_ids`, `slot_start`,
+    `num_tokens_per_slot`): what the Triton kernels walk. `scaling[slot]` is the adapter's
+    lora_alpha / r (or / sqrt(r) with rsLoRA).
+    """
+
+    def __init__(self, max_loras: int, max_num_tokens: int, device: torch.device):
+        self.max_loras = max_loras
+        self.device = device
+        self.token_lora = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
+        self.sorted_token_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
+        self.num_tokens_per_slot = torch.zeros(max_loras, dtype=torch.int64, device=device)
+        self.slot_start = torch.zeros(max_loras, dtype=torch.int64, device=device)
+        self.scaling = torch.zeros(max_loras, dtype=torch.float32, device=device)
+        self.num_tokens = 0
+
+    def update(self, token_lora: list[int]) -> None:
+        """The step's slot per token (-1: none), in the order of the runner's input_ids."""
+        n = len(token_lora)
+        if n > self.token_lora.shape[0]:
+            raise ValueError(f"a step of {n} tokens is longer than the LoRA mapping's "
+                             f"{self.token_lora.shape[0]}")
+        ids = torch.tensor(token_lora, dtype=torch.int64)
+        order = torch.sort(ids, stable=True).indices  # tokens grouped by slot, -1 first
+        counts = torch.bincount(ids + 1, minlength=self.max_loras + 1)  # [none, slot 0, ...]
+        starts = torch.cumsum(counts, 0) - counts
+        packed = torch.cat((ids, order, counts[1:], starts[1:]))  # one host-to-device copy
+        packed = to_device(packed, self.device)
+        self.token_lora[:n].copy_(packed[:n])
+        self.token_lora[n:].fill_(-1)  # a CUDA graph's padding rows: no adapter
+        self.sorted_token_ids[:n].copy_(packed[n:2 * n])
+        self.num_tokens_per_slot.copy_(packed[2 * n:2 * n + self.max_loras])
+        self.slot_start.copy_(packed[2 * n + self.max_loras:])
+        self.num_tokens = n
+
+    def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
+                 lora_b: torch.Tensor) -> torch.Tensor:
+        """y (num_tokens, out) += the LoRA deltas of x (num_tokens, in); returns y."""
+        return add_lora(y, x, lora_a, lora_b, self.scaling, self.token_lora[:x.shape[0]])
+
+
+class TritonPunicaWrapper(PunicaWrapper):
+    """The same mapping, computed by the Triton kernels (triton_punica.py): the CUDA variant."""
+
+    def add_lora(self, y, x, lora_a, lora_b):
+        from minipaged.lora import triton_punica
+        return triton_punica.add_lora(y, x, lora_a, lora_b, self.scaling,
+                                      self.sorted_token_ids, self.num_tokens_per_slot,
+                                      self.slot_start)

@@ -1,0 +1,284 @@
+"""Multi-LoRA serving (minipaged/lora/): PEFT adapters, mixed in one batch, against PEFT itself.
+
+The adapters are made here with `peft` on stories260K: LoraConfig(init_lora_weights=False) gives
+random A *and* B (a fresh PEFT adapter has B = 0, which would change nothing), saved with
+save_pretrained. The reference is the PEFT model's `generate(do_sample=False)`, token for token.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from minipaged import LLM, LoRARequest, RequestError, SamplingParams
+from minipaged.lessons.baseline import load_hf_model
+from minipaged.lora import punica
+from minipaged.models.loader import resolve_builtin
+from tests.helpers import IGNORE_INTERPRETER_WARNINGS, hf_greedy
+
+peft = pytest.importorskip("peft")
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name -> (seed, LoraConfig fields)
+ADAPTERS = {
+    "all8": (1, dict(r=8, lora_alpha=16, target_modules=ALL)),
+    "attn4": (2, dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])),
+    "mlp8": (3, dict(r=8, lora_alpha=32, target_modules=["o_proj", "gate_proj", "up_proj",
+                                                         "down_proj"])),
+    "rs16": (4, dict(r=16, lora_alpha=8, use_rslora=True, target_modules=ALL)),
+}
+N_NEW = 16
+
+
+def greedy(n=N_NEW):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def random_prompts(n, seed, lo=3, hi=30):
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(3, 512) for _ in range(rng.randint(lo, hi) - 1)]
+            for _ in range(n)]
+
+
+PROMPTS = random_prompts(3, seed=0)
+
+
+@pytest.fixture(scope="module")
+def stories_hf():
+    return load_hf_model(str(resolve_builtin("stories260K")))
+
+
+@pytest.fixture(scope="module")
+def adapters(stories_hf, tmp_path_factory):
+    """name -> (LoRARequest, PEFT's greedy tokens for PROMPTS)."""
+    root = tmp_path_factory.mktemp("adapters")
+    out = {}
+    for i, (name, (seed, kw)) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(seed)
+        cfg = peft.LoraConfig(init_lora_weights=False, lora_dropout=0.0, **kw)
+        model = peft.get_peft_model(copy.deepcopy(stories_hf), cfg).eval()
+        with torch.no_grad():  # larger B than PEFT's random init: the adapter must matter
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.mul_(4.0)
+        path = root / name
+        model.save_pretrained(str(path))
+        out[name] = (LoRARequest(name, i + 1, str(path)), hf_greedy(model, PROMPTS, N_NEW))
+    return out
+
+
+@pytest.fixture(scope="module")
+def base_tokens(stories_hf):
+    return hf_greedy(stories_hf, PROMPTS, N_NEW)
+
+
+def lora_llm(**kw):
+    args = dict(enable_lora=True, max_loras=4, max_lora_rank=16, num_blocks=128,
+                block_size=8, device="cpu") | kw
+    return LLM("stories260K", **args)
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+# --- parity with PEFT --------------------------------------------------------------------------
+def test_each_adapter_equals_peft(adapters, base_tokens):
+    llm = lora_llm()
+    for name, (req, expected) in adapters.items():
+        got = tokens(llm.generate(PROMPTS, greedy(), use_tqdm=False, lora_request=req))
+        assert got == expected, name
+        assert got != base_tokens, f"{name} changes nothing: the test could not fail"
+    assert tokens(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == base_tokens
+
+
+def test_three_adapters_and_base_in_one_batch(adapters, base_tokens):
+    llm = lora_llm()
+    names = ["all8", "attn4", "mlp8", None]
+    prompts, loras, expected = [], [], []
+    for j in range(len(PROMPTS)):
+        for name in names:  # interleaved: every step mixes all four
+            prompts.append(PROMPTS[j])
+            loras.append(adapters[name][0] if name else None)
+            expected.append(adapters[name][1][j] if name else base_tokens[j])
+    steps = []
+    manager = llm.engine.lora_manager
+    prepare = manager.prepare_step
+    manager.prepare_step = lambda entries: (steps.append({e.seq.lora_int_id for e in entries}),
+                                            prepare(entries))
+    assert tokens(llm.generate(prompts, greedy(), use_tqdm=False, lora_request=loras)) == expected
+    assert {0, 1, 2, 3} in steps  # one step held the base model and all three adapters
+    assert manager.num_loads == 3 and manager.num_evictions == 0
+
+
+def test_more_adapters_than_slots_evicts_and_stays_exact(adapters):
+    llm = lora_llm(max_loras=2)
+    names = ["all8", "attn4", "mlp8"]
+    prompts = [p for p in PROMPTS for _ in names]
+    loras = [adapters[n][0] for _ in PROMPTS for n in names]
+    expected = [adapters[n][1][j] for j in range(len(PROMPTS)) for n in names]
+    steps = []
+    manager = llm.engine.lora_manager
+    prepare = manager.prepare_step
+    manager.prepare_step = lambda entries: (steps.append({e.seq.lora_int_id for e in entries}),
+                                            prepare(entries))
+    assert tokens(llm.generate(prompts, greedy(), use_tqdm=False, lora_request=loras)) == expected
+    assert max(len(s - {0}) for s in steps) == 2  # never more adapters in a step than slots
+    # two loads into free slots, then every further load evicted the least recently used one
+    assert manager.num_evictions >= 1 and manager.num_loads == 2 + manager.num_evictions
+
+
+def test_scheduler_keeps_extra_adapters_waiting(adapters):
+    """The guard: without the scheduler's slot count, a step would hold 3 adapters in 2 slots."""
+    llm = lora_llm(max_loras=2)
+    llm.engine.scheduler.max_loras = 99  # what the scheduler would do without its guard
+    loras = [adapters[n][0] for n in ("all8", "attn4", "mlp8")]
+    with pytest.raises(RuntimeError, match="3 adapters scheduled in one step, but max_loras=2"):
+        llm.generate([PROMPTS[0]] * 3, greedy(), use_tqdm=False, lora_request=loras)
+
+
+def test_rslora_scaling(adapters):
+    req, expected = adapters["rs16"]
+    llm = lora_llm()
+    assert tokens(llm.generate(PROMPTS, greedy(), use_tqdm=False, lora_request=req)) == expected
+    adapter = llm.engine.lora_manager.adapters[req.lora_int_id]
+    assert adapter.rank == 16 and adapter.scaling == pytest.approx(8 / 16 ** 0.5)  # not 8 / 16
+
+
+# --- the prefix cache ---------------------------------------------------------------------------
+def test_prefix_cache_never_shares_blocks_across_adapters(adapters, stories_hf):
+    prompt = random_prompts(1, seed=5, lo=40, hi=40)  # 5 blocks of 8
+    llm = lora_llm()
+    a, b = adapters["all8"][0], adapters["mlp8"][0]
+    first = llm.generate(prompt, greedy(), use_tqdm=False, lora_request=a)[0]
+    other = llm.generate(prompt, greedy(), use_tqdm=False, lora_request=b)[0]
+    base = llm.generate(prompt, greedy(), use_tqdm=False)[0]
+    again = llm.generate(prompt, greedy(), use_tqdm=False, lora_request=a)[0]
+    assert first.num_cached_tokens == 0
+    assert other.num_cached_tokens == 0 and base.num_cached_tokens == 0  # no hit across adapters
+    assert again.num_cached_tokens == 32  # the same adapter does hit (4 full blocks)
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert first.outputs[0].token_ids != other.outputs[0].token_ids
+    assert base.outputs[0].token_ids == hf_greedy(stories_hf, prompt, N_NEW)[0]
+
+
+# --- bad input -----------------------------------------------------------------------------------
+def test_lora_request_fields():
+    with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
+        LoRARequest("a", 0, "/x")
+    with pytest.raises(ValueError, match="lora_name must be a non-empty string"):
+        LoRARequest("", 1, "/x")
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="max_loras"):
+        LLM("stories260K", enable_lora=True, max_loras=0)
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        LLM("stories260K", enable_lora=True, max_lora_rank=0)
+    with pytest.raises(ValueError, match="enable_lora is not supported with tensor_parallel"):
+        LLM("stories260K", enable_lora=True, tensor_parallel_size=2)
+
+
+def _copy_adapter(src, dst, config=None, tensors=None):
+    from safetensors.torch import load_file, save_file
+    os.makedirs(dst)
+    cfg = json.load(open(os.path.join(src, "adapter_config.json")))
+    json.dump(cfg | (config or {}), open(os.path.join(dst, "adapter_config.json"), "w"))
+    weights = load_file(os.path.join(src, "adapter_model.safetensors"))
+    save_file(tensors(weights) if tensors else weights,
+              os.path.join(dst, "adapter_model.safetensors"))
+
+
+def test_adapter_errors(adapters, tmp_path):
+    src = adapters["all8"][0].lora_path
+    llm = lora_llm(max_lora_rank=8)
+
+    def fails(path, match, lora_id=9):
+        with pytest.raises(RequestError, match=match):
+            llm.generate(PROMPTS[:1], greedy(), use_tqdm=False,
+                         lora_request=LoRARequest("bad", lora_id, str(path)))
+
+    fails(adapters["rs16"][0].lora_path, r"rank r=16 is larger than max_lora_rank=8")
+    fails(tmp_path / "nowhere", "lora_path is not a folder")
+    (tmp_path / "empty").mkdir()
+    fails(tmp_path / "empty", "adapter_config.json is missing")
+    _copy_adapter(src, tmp_path / "embed", {"target_modules": ["q_proj", "embed_tokens"]})
+    fails(tmp_path / "embed", r"target_modules \['embed_tokens'\] cannot be adapted")
+    _copy_adapter(src, tmp_path / "dora", {"use_dora": True})
+    fails(tmp_path / "dora", "use_dora=True is not supported")
+
+    def narrow(w):  # as if trained on a model with a narrower MLP
+        key = next(k for k in w if "down_proj.lora_A" in k)
+        return w | {key: w[key][:, :100].contiguous()}
+
+    _copy_adapter(src, tmp_path / "shape", tensors=narrow)
+    fails(tmp_path / "shape", r"down_proj.lora_A.weight has shape \(8, 100\), but r=8 and the "
+                              r"model's down_proj \(172 -> 64\) need \(8, 172\)")
+
+    def layer9(w):
+        return {k.replace("layers.0.", "layers.9."): v for k, v in w.items()}
+
+    _copy_adapter(src, tmp_path / "deep", tensors=layer9)
+    fails(tmp_path / "deep", "is for layer 9, but the model has 5 layers")
+    _copy_adapter(src, tmp_path / "nofile")
+    os.remove(tmp_path / "nofile" / "adapter_model.safetensors")
+    fails(tmp_path / "nofile", "adapter_model.safetensors is missing")
+    llm.generate(PROMPTS[:1], greedy(), use_tqdm=False, lora_request=adapters["all8"][0])
+    fails(adapters["attn4"][0].lora_path, "lora_int_id=1 is already adapter 'all8'", lora_id=1)
+    # nothing was queued, and the engine still serves
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.generate(PROMPTS[:1], greedy(), use_tqdm=False)[0].outputs[0].token_ids) == 16
+
+
+def test_lora_request_needs_enable_lora(adapters):
+    llm = LLM("stories260K", num_blocks=32, device="cpu")
+    with pytest.raises(RequestError, match="built without adapters: pass enable_lora=True"):
+        llm.generate(PROMPTS[:1], greedy(), use_tqdm=False, lora_request=adapters["all8"][0])
+    with pytest.raises(ValueError, match="a list of one per prompt"):
+        llm.generate(PROMPTS[:2], greedy(), use_tqdm=False, lora_request=[None])
+
+
+# --- the kernels ---------------------------------------------------------------------------------
+def _random_case(num_tokens, max_loras, n, k, out, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, k, generator=g)
+    a = torch.randn(max_loras, n, k, generator=g)
+    b = torch.randn(max_loras, out, n, generator=g)
+    scaling = torch.rand(max_loras, generator=g) + 0.5
+    token_lora = torch.randint(-1, max_loras, (num_tokens,), generator=g)
+    return x, a, b, scaling, token_lora
+
+
+def test_reference_equals_one_matmul_per_token():
+    x, a, b, scaling, token_lora = _random_case(9, 3, 12, 20, 7, seed=0)
+    y = torch.randn(9, 7, dtype=torch.float64)
+    x, a, b = x.double(), a.double(), b.double()
+    got = punica.add_lora(y.clone(), x, a, b, scaling.double(), token_lora)
+    for i, s in enumerate(token_lora.tolist()):
+        want = y[i] if s < 0 else y[i] + (x[i] @ a[s].T @ b[s].T) * scaling[s].double()
+        torch.testing.assert_close(got[i], want)
+
+
+@IGNORE_INTERPRETER_WARNINGS
+@pytest.mark.parametrize("num_tokens,max_loras,n,k,out", [
+    (1, 1, 16, 16, 16), (7, 4, 48, 64, 160), (37, 3, 24, 100, 72), (300, 2, 32, 40, 50)])
+def test_triton_kernel_equals_reference(num_tokens, max_loras, n, k, out):
+    pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    from minipaged.lora.punica import PunicaWrapper, TritonPunicaWrapper
+    x, a, b, scaling, token_lora = _random_case(num_tokens, max_loras, n, k, out, seed=num_tokens)
+    y = torch.randn(num_tokens, out)
+    want = punica.add_lora(y.clone(), x, a, b, scaling, token_lora)
+    dev = torch.device(device)
+    wrapper = TritonPunicaWrapper(max_loras, 512, dev)
+    wrapper.update(token_lora.tolist())
+    wrapper.scaling.copy_(scaling)
+    assert isinstance(wrapper, PunicaWrapper)
+    got = wrapper.add_lora(y.clone().to(dev), x.to(dev), a.to(dev), b.to(dev))
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
