@@ -282,3 +282,55 @@ def test_triton_kernel_equals_reference(num_tokens, max_loras, n, k, out):
     assert isinstance(wrapper, PunicaWrapper)
     got = wrapper.add_lora(y.clone().to(dev), x.to(dev), a.to(dev), b.to(dev))
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+# --- through the server --------------------------------------------------------------------------
+def test_server_serves_adapters_by_model_name(adapters, base_tokens):
+    httpx = pytest.importorskip("httpx")
+    from tests.test_server import ServerThread
+    a, b = adapters["all8"][0], adapters["attn4"][0]
+    server = ServerThread("stories260K", "--num-blocks", "128", "--device", "cpu",
+                          "--enable-lora", "--max-loras", "2", "--uvicorn-log-level", "warning",
+                          "--lora-modules", f"ad1={a.lora_path}",
+                          json.dumps({"name": "ad2", "path": b.lora_path}))
+    try:
+        models = httpx.get(server.url + "/v1/models").json()["data"]
+        assert [(m["id"], m["parent"], m["root"]) for m in models][1:] == [
+            ("ad1", "stories260K", a.lora_path), ("ad2", "stories260K", b.lora_path)]
+        assert models[0]["id"] == "stories260K" and models[0]["parent"] is None
+
+        def complete(model, prompt):
+            r = httpx.post(server.url + "/v1/completions", timeout=60, json=dict(
+                model=model, prompt=prompt, max_tokens=N_NEW, temperature=0, ignore_eos=True,
+                logprobs=0))
+            return r
+
+        tok = server.app.state.llm.tokenizer
+        for model, expected in (("ad1", adapters["all8"][1]), ("ad2", adapters["attn4"][1]),
+                                ("stories260K", base_tokens)):
+            r = complete(model, PROMPTS[1])
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["text"] == tok.decode(expected[1]), model
+        r = complete("ad3", PROMPTS[0])
+        assert r.status_code == 404
+        assert "ad3" in r.text and "stories260K, ad1, ad2" in r.text
+        server.wait_idle()
+    finally:
+        server.stop()
+
+
+def test_serve_flag_errors(adapters, tmp_path):
+    from minipaged.cli.errors import CLIError
+    from minipaged.cli.serve import build_app_from_args, parse_args
+    path = adapters["all8"][0].lora_path
+    with pytest.raises(CLIError, match="--lora-modules needs --enable-lora"):
+        build_app_from_args(parse_args(["stories260K", "--lora-modules", f"x={path}"]))
+    with pytest.raises(CLIError, match="adapter_config.json is missing"):
+        build_app_from_args(parse_args(["stories260K", "--enable-lora", "--lora-modules",
+                                        f"x={tmp_path}"]))
+    with pytest.raises(CLIError, match="the name 'stories260K' is used twice"):
+        build_app_from_args(parse_args(["stories260K", "--enable-lora", "--lora-modules",
+                                        f"stories260K={path}"]))
+    with pytest.raises(CLIError, match="'no-equals-sign': expected name=path"):
+        parse_args(["stories260K", "--lora-modules", "no-equals-sign"])
