@@ -182,3 +182,37 @@ def test_cuda_engine_freezes_the_heap_and_is_still_freed_when_dropped():
         assert [r() is None for r in refs + [kv]] == [True] * (len(refs) + 1)
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_lora_adapters_on_gpu_equal_cpu_reference(tmp_path, enforce_eager):
+    """stories260K with three random adapters (no peft here: written by save_random_adapter)
+    and the base model mixed in one batch: the Triton shrink/expand on CUDA, with CUDA-graph
+    decode replays or without, gives the CPU torch reference's tokens (tests/test_lora.py
+    proves the CPU path equal to PEFT). max_loras=2 makes the third adapter evict one."""
+    import json
+
+    from minipaged import LoRARequest
+    from minipaged.lora.random_adapter import save_random_adapter
+    from minipaged.models.config import ModelConfig
+    cfg = ModelConfig.from_dict(json.load(open(resolve_builtin("stories260K") / "config.json")))
+    loras = [LoRARequest(f"a{i}", i + 1, save_random_adapter(
+        str(tmp_path / f"a{i}"), cfg, rank=r, lora_alpha=2 * r, seed=i, std=0.3,
+        use_rslora=i == 2)) for i, r in enumerate((8, 16, 4))]
+    prompts = _prompts(24, 512, 2)
+    per_prompt = [None if i % 4 == 3 else loras[i % 4] for i in range(len(prompts))]
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM("stories260K", device=device, enable_lora=True, max_loras=2, max_lora_rank=16,
+                  num_blocks=256, max_num_seqs=32, enforce_eager=enforce_eager)
+        if device == "cuda":
+            assert (llm.engine.model_runner.graph_runner is None) == enforce_eager
+            assert type(llm.engine.lora_manager.punica).__name__ == "TritonPunicaWrapper"
+        res = llm.generate(prompts, sp, use_tqdm=False, lora_request=per_prompt)
+        outs[device] = [o.outputs[0].token_ids for o in res]
+        base = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], sp, use_tqdm=False)]
+        assert base[3] == outs[device][3]  # the base model's row in the mixed batch
+        assert all(base[i] != outs[device][i] for i in range(3))  # the adapters change it
+        del llm
+    assert outs["cuda"] == outs["cpu"]

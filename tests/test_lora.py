@@ -265,7 +265,8 @@ def test_reference_equals_one_matmul_per_token():
 
 @IGNORE_INTERPRETER_WARNINGS
 @pytest.mark.parametrize("num_tokens,max_loras,n,k,out", [
-    (1, 1, 16, 16, 16), (7, 4, 48, 64, 160), (37, 3, 24, 100, 72), (300, 2, 32, 40, 50)])
+    (1, 1, 16, 16, 16), (7, 4, 48, 64, 160), (37, 3, 24, 100, 72), (70, 2, 32, 40, 300),
+    (40, 3, 16, 1100, 24)])  # the last splits its reduction over programs (in >= 512)
 def test_triton_kernel_equals_reference(num_tokens, max_loras, n, k, out):
     pytest.importorskip("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -334,3 +335,17 @@ def test_serve_flag_errors(adapters, tmp_path):
                                         f"stories260K={path}"]))
     with pytest.raises(CLIError, match="'no-equals-sign': expected name=path"):
         parse_args(["stories260K", "--lora-modules", "no-equals-sign"])
+
+
+def test_random_adapter_files_load_in_peft_and_agree(stories_hf, tmp_path):
+    """save_random_adapter (benchmarks, GPU tests) writes what PEFT reads, with the same result."""
+    from minipaged.lora.random_adapter import save_random_adapter
+    from minipaged.models.config import ModelConfig
+    cfg = ModelConfig.from_dict(json.load(open(resolve_builtin("stories260K") / "config.json")))
+    path = save_random_adapter(str(tmp_path / "r"), cfg, rank=8, lora_alpha=16, seed=3, std=0.3,
+                               target_modules=("q_proj", "v_proj", "down_proj"))
+    model = peft.PeftModel.from_pretrained(copy.deepcopy(stories_hf), path).eval()
+    expected = hf_greedy(model, PROMPTS, N_NEW)
+    got = tokens(lora_llm().generate(PROMPTS, greedy(), use_tqdm=False,
+                                     lora_request=LoRARequest("r", 1, path)))
+    assert got == expected and got != hf_greedy(stories_hf, PROMPTS, N_NEW)

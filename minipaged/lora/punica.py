@@ -52,25 +52,34 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     return lora_expand(y, lora_shrink(x, lora_a, token_lora), lora_b, scaling, token_lora)
 
 
+TILE_TOKENS = 16  # tokens per tile of the Triton kernels (tl.dot needs >= 16 on a GPU)
+
+
 class PunicaWrapper:
     """One step's token -> slot mapping, shared by every LoRA layer (vLLM's PunicaWrapper).
 
-    The buffers are allocated once (`max_num_tokens` long) and refilled by `update` before each
-    forward, so a CUDA graph captured over them replays with the new step's mapping. Besides
-    `token_lora` it keeps the tokens sorted by slot (`sorted_token_ids`, `slot_start`,
-    `num_tokens_per_slot`): what the Triton kernels walk. `scaling[slot]` is the adapter's
-    lora_alpha / r (or / sqrt(r) with rsLoRA).
+    The buffers are allocated once and refilled by `update` before each forward, so a CUDA
+    graph captured over them replays with the new step's mapping. Besides `token_lora` (what the
+    torch reference reads) it keeps the tokens sorted by slot (`sorted_token_ids`) cut into
+    tiles of at most TILE_TOKENS tokens of one slot: tile j is `tile_len[j]` tokens starting at
+    `tile_start[j]` of the sorted list, all of slot `tile_slot[j]` (-1: an unused tile). That
+    is what the Triton kernels walk. `scaling[slot]` is the adapter's lora_alpha / r (or
+    / sqrt(r) with rsLoRA).
     """
 
     def __init__(self, max_loras: int, max_num_tokens: int, device: torch.device):
         self.max_loras = max_loras
         self.device = device
+        # a slot with c tokens makes ceil(c / TILE) tiles: at most this many in all
+        self.max_tiles = -(-max_num_tokens // TILE_TOKENS) + max_loras
         self.token_lora = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
         self.sorted_token_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
-        self.num_tokens_per_slot = torch.zeros(max_loras, dtype=torch.int64, device=device)
-        self.slot_start = torch.zeros(max_loras, dtype=torch.int64, device=device)
+        self.tile_slot = torch.full((self.max_tiles,), -1, dtype=torch.int64, device=device)
+        self.tile_start = torch.zeros(self.max_tiles, dtype=torch.int64, device=device)
+        self.tile_len = torch.zeros(self.max_tiles, dtype=torch.int64, device=device)
         self.scaling = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.num_tokens = 0
+        self.any_lora = False
 
     def update(self, token_lora: list[int]) -> None:
         """The step's slot per token (-1: none), in the order of the runner's input_ids."""
@@ -80,28 +89,43 @@ class PunicaWrapper:
                              f"{self.token_lora.shape[0]}")
         ids = torch.tensor(token_lora, dtype=torch.int64)
         order = torch.sort(ids, stable=True).indices  # tokens grouped by slot, -1 first
-        counts = torch.bincount(ids + 1, minlength=self.max_loras + 1)  # [none, slot 0, ...]
-        starts = torch.cumsum(counts, 0) - counts
-        packed = torch.cat((ids, order, counts[1:], starts[1:]))  # one host-to-device copy
-        packed = to_device(packed, self.device)
+        counts = torch.bincount(ids + 1, minlength=self.max_loras + 1).tolist()  # [none, 0, ..]
+        slots, starts, lens = [], [], []
+        start = counts[0]
+        for slot, c in enumerate(counts[1:]):
+            for first in range(0, c, TILE_TOKENS):
+                slots.append(slot)
+                starts.append(start + first)
+                lens.append(min(TILE_TOKENS, c - first))
+            start += c
+        pad = self.max_tiles - len(slots)
+        tiles = slots + [-1] * pad + starts + [0] * pad + lens + [0] * pad
+        packed = to_device(torch.cat((ids, order, torch.tensor(tiles, dtype=torch.int64))),
+                           self.device)  # one host-to-device copy
         self.token_lora[:n].copy_(packed[:n])
         self.token_lora[n:].fill_(-1)  # a CUDA graph's padding rows: no adapter
         self.sorted_token_ids[:n].copy_(packed[n:2 * n])
-        self.num_tokens_per_slot.copy_(packed[2 * n:2 * n + self.max_loras])
-        self.slot_start.copy_(packed[2 * n + self.max_loras:])
+        self.tile_slot.copy_(packed[2 * n:2 * n + self.max_tiles])
+        self.tile_start.copy_(packed[2 * n + self.max_tiles:2 * n + 2 * self.max_tiles])
+        self.tile_len.copy_(packed[2 * n + 2 * self.max_tiles:])
         self.num_tokens = n
+        self.any_lora = counts[0] < n
 
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
                  lora_b: torch.Tensor) -> torch.Tensor:
         """y (num_tokens, out) += the LoRA deltas of x (num_tokens, in); returns y."""
+        if not self.any_lora:  # (the CPU path only: a step of base-model tokens adds nothing)
+            return y
         return add_lora(y, x, lora_a, lora_b, self.scaling, self.token_lora[:x.shape[0]])
 
 
 class TritonPunicaWrapper(PunicaWrapper):
-    """The same mapping, computed by the Triton kernels (triton_punica.py): the CUDA variant."""
+    """The same mapping, computed by the Triton kernels (triton_punica.py): the CUDA variant.
+    It always launches them (their grid depends only on the token count), so a decode step
+    captured in a CUDA graph replays whatever adapters the next steps bring."""
 
     def add_lora(self, y, x, lora_a, lora_b):
         from minipaged.lora import triton_punica
         return triton_punica.add_lora(y, x, lora_a, lora_b, self.scaling,
-                                      self.sorted_token_ids, self.num_tokens_per_slot,
-                                      self.slot_start)
+                                      self.sorted_token_ids, self.tile_slot, self.tile_start,
+                                      self.tile_len)
