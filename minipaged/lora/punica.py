@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from minipaged.utils import to_device
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_lora: torch.Tensor) -> torch.Tensor:
@@ -72,11 +71,13 @@ class PunicaWrapper:
         self.device = device
         # a slot with c tokens makes ceil(c / TILE) tiles: at most this many in all
         self.max_tiles = -(-max_num_tokens // TILE_TOKENS) + max_loras
-        self.token_lora = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
-        self.sorted_token_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
-        self.tile_slot = torch.full((self.max_tiles,), -1, dtype=torch.int64, device=device)
-        self.tile_start = torch.zeros(self.max_tiles, dtype=torch.int64, device=device)
-        self.tile_len = torch.zeros(self.max_tiles, dtype=torch.int64, device=device)
+        # One device buffer, refilled by one copy per step, viewed as the five mappings.
+        self._sizes = [max_num_tokens, max_num_tokens] + [self.max_tiles] * 3
+        self._buffer = torch.zeros(sum(self._sizes), dtype=torch.int64, device=device)
+        (self.token_lora, self.sorted_token_ids, self.tile_slot, self.tile_start,
+         self.tile_len) = self._buffer.split(self._sizes)
+        self.token_lora.fill_(-1)
+        self.tile_slot.fill_(-1)
         self.scaling = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.num_tokens = 0
         self.any_lora = False
@@ -98,16 +99,18 @@ class PunicaWrapper:
                 starts.append(start + first)
                 lens.append(min(TILE_TOKENS, c - first))
             start += c
-        pad = self.max_tiles - len(slots)
-        tiles = slots + [-1] * pad + starts + [0] * pad + lens + [0] * pad
-        packed = to_device(torch.cat((ids, order, torch.tensor(tiles, dtype=torch.int64))),
-                           self.device)  # one host-to-device copy
-        self.token_lora[:n].copy_(packed[:n])
-        self.token_lora[n:].fill_(-1)  # a CUDA graph's padding rows: no adapter
-        self.sorted_token_ids[:n].copy_(packed[n:2 * n])
-        self.tile_slot.copy_(packed[2 * n:2 * n + self.max_tiles])
-        self.tile_start.copy_(packed[2 * n + self.max_tiles:2 * n + 2 * self.max_tiles])
-        self.tile_len.copy_(packed[2 * n + 2 * self.max_tiles:])
+        host = torch.zeros(self._buffer.shape[0], dtype=torch.int64)
+        token_lora_h, sorted_h, slot_h, start_h, len_h = host.split(self._sizes)
+        token_lora_h.fill_(-1)  # rows past n (a CUDA graph's padding): no adapter
+        token_lora_h[:n] = ids
+        sorted_h[:n] = order
+        slot_h.fill_(-1)  # unused tiles
+        m = len(slots)
+        slot_h[:m], start_h[:m], len_h[:m] = (torch.tensor(v, dtype=torch.int64)
+                                              for v in (slots, starts, lens))
+        if self.device.type == "cuda":  # one copy, queued without waiting for the GPU
+            host = host.pin_memory()
+        self._buffer.copy_(host, non_blocking=True)
         self.num_tokens = n
         self.any_lora = counts[0] < n
 
