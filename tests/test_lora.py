@@ -349,3 +349,41 @@ def test_random_adapter_files_load_in_peft_and_agree(stories_hf, tmp_path):
     got = tokens(lora_llm().generate(PROMPTS, greedy(), use_tqdm=False,
                                      lora_request=LoRARequest("r", 1, path)))
     assert got == expected and got != hf_greedy(stories_hf, PROMPTS, N_NEW)
+
+
+def test_punica_wrapper_tiles_cover_each_adapter_token_once():
+    token_lora = [2, -1, 0, 2, 2, 0, -1] + [1] * 37
+    w = punica.PunicaWrapper(3, 64, torch.device("cpu"))
+    w.update(token_lora)
+    order = w.sorted_token_ids[:len(token_lora)].tolist()
+    seen = []
+    for slot, start, length in zip(w.tile_slot.tolist(), w.tile_start.tolist(),
+                                   w.tile_len.tolist()):
+        if slot < 0:
+            continue
+        assert 1 <= length <= punica.TILE_TOKENS
+        rows = order[start:start + length]
+        assert all(token_lora[r] == slot for r in rows)
+        seen += rows
+    assert sorted(seen) == [i for i, s in enumerate(token_lora) if s >= 0]
+    assert w.token_lora[:len(token_lora)].tolist() == token_lora
+    assert set(w.token_lora[len(token_lora):].tolist()) == {-1}
+    assert sum(1 for s in w.tile_slot.tolist() if s >= 0) == 1 + 3 + 1  # 37 ones: 3 tiles
+
+
+def test_lesson_helpers(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    from minipaged.lessons import lora as lesson
+    from minipaged.models.config import ModelConfig
+    cfg = ModelConfig.from_dict(json.load(open(resolve_builtin("stories260K") / "config.json")))
+    table = lesson.lora_parameter_table(cfg, rank=8)
+    assert [r["module"] for r in table][:2] == ["q_proj", "k_proj"]
+    assert table[-1] == {"module": "down_proj", "in": 172, "out": 64, "base_params": 172 * 64,
+                         "lora_params": 8 * (172 + 64), "share": round(8 * 236 / (172 * 64), 4)}
+    lesson.draw_lora_layer(64, 172, 8).savefig(tmp_path / "a.png")
+    lesson.draw_mixed_batch([0, 1, -1, 2, 0, 1] * 4).savefig(tmp_path / "b.png")
+    rows = lesson.measure_adapter_batch_cost(num_tokens=32, d_in=64, d_out=64, rank=8,
+                                             adapter_counts=(1, 4), repeats=1)
+    assert [r["adapters"] for r in rows] == [1, 4]
+    assert all(r[k] > 0 for r in rows for k in r if k.endswith("per_token"))
