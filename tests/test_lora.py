@@ -387,3 +387,26 @@ def test_lesson_helpers(tmp_path):
                                              adapter_counts=(1, 4), repeats=1)
     assert [r["adapters"] for r in rows] == [1, 4]
     assert all(r[k] > 0 for r in rows for k in r if k.endswith("per_token"))
+
+
+@IGNORE_INTERPRETER_WARNINGS
+def test_triton_kernel_half_precision_path():
+    """fp16 inputs take the tensor-core branch (bf16's on a GPU; the interpreter mishandles bf16
+    arithmetic, fp16 it runs): equal to the reference in fp32 of the same rounded inputs."""
+    pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    from minipaged.lora.punica import TritonPunicaWrapper
+    x, a, b, scaling, token_lora = _random_case(40, 3, 48, 1100, 96, seed=1)
+    a, b, y = a * 0.1, b * 0.1, torch.randn(40, 96)
+    half = [t.half() for t in (y, x, a, b)]
+    want = punica.add_lora(*(t.float() for t in half[:2]), *(t.float() for t in half[2:]),
+                           scaling, token_lora)
+    dev = torch.device(device)
+    wrapper = TritonPunicaWrapper(3, 64, dev)
+    wrapper.update(token_lora.tolist())
+    wrapper.scaling.copy_(scaling)
+    got = wrapper.add_lora(*(t.to(dev) for t in half))
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float().cpu(), want, rtol=2e-3, atol=2e-2)
