@@ -1,9 +1,9 @@
 """Multi-LoRA throughput: the same workload with 0, 1, 4 and 16 adapters spread over the requests.
 
     .venv/bin/python benchmarks/lora.py                  # CPU: stories260K, 32 requests (a check)
-    python benchmarks/lora.py --h200                     # H200: dummy Qwen3-0.6B, nano-vllm workload
+    python benchmarks/lora.py --h200               # H200: dummy Qwen3-0.6B, nano-vllm workload
 
-Two engines on the same model, built side by side (each with half of the GPU's memory):
+Two engines on the same model, built side by side:
 
   base      enable_lora=False: the model as it is served without adapters
   lora      enable_lora=True, max_loras=16 (every count fits), rank-16 slots; the workload is
@@ -11,7 +11,8 @@ Two engines on the same model, built side by side (each with half of the GPU's m
             minipaged/lora/random_adapter.py), request i using adapter i % N (N = 0: none, so
             it measures what the wrapped layers cost on their own)
 
-The runs are interleaved (base, lora 0, 1, 4, 16, then again for each --repeats), each after a
+Both get the same explicit KV cache, room for every request at its full length. The runs are
+interleaved (base, lora 0, 1, 4, 16, then again for each --repeats), each after a
 warm-up that also loads its adapters, and each is reported as tokens/s and as a ratio to the base
 run of the same round. The goal of the design: 4 adapters within 15% of the base model. --h200 is
 the nano-vllm workload (256 requests, input and output U[100, 1024], seed 0, EOS ignored) in bf16
@@ -89,17 +90,25 @@ def main(argv=None) -> int:
     temperature = a.temperature if a.temperature is not None else (0.6 if h else 0.0)
     counts = [int(c) for c in a.counts.split(",")]
     max_loras = a.max_loras or max(max(counts), 1)
-    engine = dict(device=device, dtype=dtype, max_num_seqs=256 if h else 64)
+    from minipaged.models.config import ModelConfig
+    from minipaged.models.loader import resolve_model
+    cfg = ModelConfig.from_dict(resolve_model(model).config)
+    wl = make_workload(workload, cfg.vocab_size, num_requests, seed=0,
+                       max_model_len=None if workload == "nanovllm" else
+                       cfg.max_position_embeddings)
+    block_size = 128 if h else 16
+    # Both engines live at once, so each gets an explicit cache: room for every request of the
+    # workload at its full length (no preemption), the same for both.
+    num_blocks = sum(-(-(len(p) + m) // block_size) for p, m in zip(wl.prompts, wl.max_tokens))
+    engine = dict(device=device, dtype=dtype, max_num_seqs=256 if h else 64,
+                  block_size=block_size, num_blocks=num_blocks + 64)
     if h:
-        engine |= dict(block_size=128, max_num_batched_tokens=8192, gpu_memory_utilization=0.42)
+        engine |= dict(max_num_batched_tokens=8192)
     out = a.out or str(ROOT / "benchmarks" / "results" /
                        f"lora_{'h200' if h else device}_{model.split(':')[-1].lower()}.json")
 
     base = LLM(model, **engine)
     lora = LLM(model, enable_lora=True, max_loras=max_loras, max_lora_rank=a.rank, **engine)
-    cfg = base.engine.model_config
-    wl = make_workload(workload, cfg.vocab_size, num_requests, seed=0,
-                       max_model_len=base.config.max_model_len)
     tmp = tempfile.mkdtemp(prefix="minipaged-lora-")
     adapters = [LoRARequest(f"a{i}", i + 1, save_random_adapter(
         f"{tmp}/a{i}", cfg, rank=a.rank, lora_alpha=2 * a.rank, seed=i, std=0.01,
@@ -123,8 +132,9 @@ def main(argv=None) -> int:
     manager = lora.engine.lora_manager
     lines = ["| run | adapters | tok/s (median) | vs base |", "|---|---:|---:|---:|"]
     for r in results:
-        lines.append(f"| {r['config']} | {r['adapters']} | "
-                     f"{statistics.median(r['tokens_per_sec']):,.0f} | {r['ratio_to_base']:.3f}x |")
+        tps = statistics.median(r["tokens_per_sec"])
+        lines.append(f"| {r['config']} | {r['adapters']} | {tps:,.0f} | "
+                     f"{r['ratio_to_base']:.3f}x |")
     table = "\n".join(lines)
     doc = {"environment": environment(), "command": " ".join(["python", *sys.argv]),
            "model": model, "weights": "dummy" if model.startswith("dummy:") else "checkpoint",

@@ -291,12 +291,14 @@ def test_server_serves_adapters_by_model_name(adapters, base_tokens):
     from tests.test_server import ServerThread
     a, b = adapters["all8"][0], adapters["attn4"][0]
     server = ServerThread("stories260K", "--num-blocks", "128", "--device", "cpu",
-                          "--enable-lora", "--max-loras", "2", "--uvicorn-log-level", "warning",
+                          "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+                          "--uvicorn-log-level", "warning",
                           "--lora-modules", f"ad1={a.lora_path}",
-                          json.dumps({"name": "ad2", "path": b.lora_path}))
+                          json.dumps({"name": "ad2", "path": b.lora_path}),
+                          f"big={adapters['rs16'][0].lora_path}")
     try:
         models = httpx.get(server.url + "/v1/models").json()["data"]
-        assert [(m["id"], m["parent"], m["root"]) for m in models][1:] == [
+        assert [(m["id"], m["parent"], m["root"]) for m in models][1:3] == [
             ("ad1", "stories260K", a.lora_path), ("ad2", "stories260K", b.lora_path)]
         assert models[0]["id"] == "stories260K" and models[0]["parent"] is None
 
@@ -315,7 +317,9 @@ def test_server_serves_adapters_by_model_name(adapters, base_tokens):
             assert choice["text"] == tok.decode(expected[1]), model
         r = complete("ad3", PROMPTS[0])
         assert r.status_code == 404
-        assert "ad3" in r.text and "stories260K, ad1, ad2" in r.text
+        assert "ad3" in r.text and "stories260K, ad1, ad2, big" in r.text
+        r = complete("big", PROMPTS[0])  # read by the engine core at its first request
+        assert r.status_code == 400 and "rank r=16 is larger than max_lora_rank=8" in r.text
         server.wait_idle()
     finally:
         server.stop()

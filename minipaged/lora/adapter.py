@@ -49,7 +49,8 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 @dataclass
 class LoRAAdapter:
-    """One adapter's weights on the CPU, checked against the model: (layer, HF module) -> (A, B)."""
+    """One adapter's weights on the CPU, checked against the model: weights maps
+    (layer, HF module) -> (A, B)."""
 
     name: str
     lora_int_id: int

@@ -6,10 +6,11 @@ the tokens are taken in slot order and cut into tiles of at most TILE_TOKENS tok
 tokens and multiplies with `tl.dot` (punica's segmented SGMV, as vLLM's lora_shrink /
 lora_expand kernels do):
 
-    shrink   grid (tiles * n_blocks, SPLIT_K)   partial[split, rows, n] = x[rows, K_split]
-                                                                          @ lora_a[slot, n, K_split].T
-    expand   grid (tiles * out_blocks,)         y[rows, out] += (sum_split partial[:, rows, :])
-                                                                @ lora_b[slot, out, :].T * scaling[slot]
+    shrink   grid (tiles * n_blocks, SPLIT_K)
+             partial[split, rows, n] = x[rows, K_split] @ lora_a[slot, n, K_split].T
+    expand   grid (tiles * out_blocks,)
+             y[rows, out] += (sum_split partial[:, rows, :]) @ lora_b[slot, out, :].T
+                             * scaling[slot]
 
 `rows` are a tile's token indices, gathered from `sorted_token_ids`. The shrink splits its long
 reduction (the layer's input width) over SPLIT_K programs, each writing its own partial sums,
