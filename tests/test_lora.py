@@ -132,6 +132,23 @@ def test_more_adapters_than_slots_evicts_and_stays_exact(adapters):
     assert manager.num_evictions >= 1 and manager.num_loads == 2 + manager.num_evictions
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_chunked_prefill_and_samples_stay_exact(adapters, base_tokens, mode):
+    """A cache too small for the batch (preemption), 16-token steps (chunked prefill), n=2
+    greedy samples (forks keep their adapter) and max_loras=2 for three adapters + base."""
+    llm = lora_llm(max_loras=2, num_blocks=14, max_model_len=64, max_num_batched_tokens=16,
+                   preemption_mode=mode)
+    names = ["all8", "attn4", None, "mlp8"]
+    prompts = [PROMPTS[j] for j in range(len(PROMPTS)) for _ in names]
+    loras = [adapters[n][0] if n else None for _ in PROMPTS for n in names]
+    expected = [adapters[n][1][j] if n else base_tokens[j]
+                for j in range(len(PROMPTS)) for n in names]
+    params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, n=2)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[e, e] for e in expected]
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
 def test_scheduler_keeps_extra_adapters_waiting(adapters):
     """The guard: without the scheduler's slot count, a step would hold 3 adapters in 2 slots."""
     llm = lora_llm(max_loras=2)
