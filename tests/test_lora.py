@@ -431,3 +431,21 @@ def test_triton_kernel_half_precision_path():
     got = wrapper.add_lora(*(t.to(dev) for t in half))
     assert got.dtype == torch.float16
     torch.testing.assert_close(got.float().cpu(), want, rtol=2e-3, atol=2e-2)
+
+
+@IGNORE_INTERPRETER_WARNINGS
+def test_engine_with_triton_kernels_equals_reference(adapters):
+    """The engine with the CUDA variant's Triton shrink/expand (here under the interpreter):
+    the same tokens as the torch reference path, two adapters and the base in one batch."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    from minipaged.lora.punica import TritonPunicaWrapper
+    prompts = [p[:6] for p in PROMPTS[:2]] * 2
+    loras = [adapters["all8"][0], adapters["rs16"][0], None, adapters["all8"][0]]
+    llm = lora_llm()
+    reference = tokens(llm.generate(prompts, greedy(3), use_tqdm=False, lora_request=loras))
+    llm.engine.lora_manager.punica.__class__ = TritonPunicaWrapper  # every layer shares it
+    got = tokens(llm.generate(prompts, greedy(3), use_tqdm=False, lora_request=loras))
+    assert got == reference
+    assert reference[0] == reference[3] != reference[2]  # same prompt: adapter vs base differ

@@ -22,7 +22,9 @@ This is the synchronous step. The GPU's fast paths are chosen once, when the eng
 (`EngineConfig.resolve`), and live in their own rooms: the worker (`worker/`) picks its input
 builder and CUDA graphs, the model its fused layers, and async scheduling
 (`worker/async_scheduling.py`) replaces `step` with a loop that plans step t+1 while the GPU runs
-step t. `LLM` (llm.py) loops `step()` for offline batches; the server loops it in the background.
+step t. With `enable_lora` the linear layers get adapter slots when the engine is built and the
+runner maps each step's tokens to them (minipaged/lora/). `LLM` (llm.py) loops `step()` for
+offline batches; the server loops it in the background.
 """
 from __future__ import annotations
 

@@ -8,6 +8,7 @@
     layers.py         LoRALinear: a base linear layer plus `max_loras` weight slots
     manager.py        wraps the model's layers once; adapters into slots on demand, LRU
     runner.py         the model runner that maps the step's tokens to slots before the forward
+    random_adapter.py random adapters in PEFT's format, without peft (benchmarks, GPU tests)
 
 The engine builds it only with `EngineConfig.enable_lora`; the scheduler keeps at most
 `max_loras` distinct adapters in a step, and the prefix cache keys blocks by adapter.
