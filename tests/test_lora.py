@@ -448,4 +448,4 @@ def test_engine_with_triton_kernels_equals_reference(adapters):
     llm.engine.lora_manager.punica.__class__ = TritonPunicaWrapper  # every layer shares it
     got = tokens(llm.generate(prompts, greedy(3), use_tqdm=False, lora_request=loras))
     assert got == reference
-    assert reference[0] == reference[3] != reference[2]  # same prompt: adapter vs base differ
+    assert reference[0] != reference[2]  # the same prompt with all8 and with the base model
