@@ -314,6 +314,9 @@ def test_server_serves_adapters_by_model_name(adapters, base_tokens):
                           json.dumps({"name": "ad2", "path": b.lora_path}),
                           f"big={adapters['rs16'][0].lora_path}")
     try:
+        from minipaged.cli.serve import banner, parse_args
+        assert "LoRA adapters (request `model`): ad1, ad2, big; 2 on the device at once, " \
+               "rank <= 8" in banner(parse_args(["stories260K"]), server.app, port=1)
         models = httpx.get(server.url + "/v1/models").json()["data"]
         assert [(m["id"], m["parent"], m["root"]) for m in models][1:3] == [
             ("ad1", "stories260K", a.lora_path), ("ad2", "stories260K", b.lora_path)]

@@ -264,6 +264,10 @@ def banner(a, app, port: Optional[int] = None) -> str:
         f"  OpenAI API: {url}/v1   Swagger UI: {url}/docs   metrics: {url}/metrics",
         f"  API key: {key};  chat template: {template}",
     ]
+    loras = app.state.chat.lora_requests
+    if loras:
+        lines.append(f"  LoRA adapters (request `model`): {', '.join(loras)}; {cfg.max_loras} on "
+                     f"the device at once, rank <= {cfg.max_lora_rank}")
     if a.root_path:
         lines.append(f"  behind a proxy at {a.root_path}: clients use <proxy>{a.root_path}/v1")
     if a.allowed_origins:
