@@ -167,8 +167,11 @@ class LLM:
 
     def chat(self, messages, sampling_params: Optional[SamplingParams] = None,
              use_tqdm: bool = True, chat_template: Optional[str] = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Chat through the tokenizer's chat template (one conversation or a list of them)."""
+             add_generation_prompt: bool = True,
+             lora_request: LoRARequest | Seq[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
+        """Chat through the tokenizer's chat template (one conversation or a list of them);
+        `lora_request` as in `generate`."""
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
@@ -181,7 +184,8 @@ class LLM:
                    for c in conversations]
         # The template already holds BOS if the model wants one: tokenize without adding it again.
         token_ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
-        return self.generate([{"prompt_token_ids": t} for t in token_ids], sampling_params, use_tqdm)
+        return self.generate([{"prompt_token_ids": t} for t in token_ids], sampling_params, use_tqdm,
+                             lora_request=lora_request)
 
     @property
     def trace(self):

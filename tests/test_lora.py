@@ -251,6 +251,20 @@ def test_adapter_errors(adapters, tmp_path):
     assert len(llm.generate(PROMPTS[:1], greedy(), use_tqdm=False)[0].outputs[0].token_ids) == 16
 
 
+def test_chat_takes_a_lora_request(adapters):
+    llm = lora_llm()
+    req = adapters["all8"][0]
+    template = "{{ bos_token }}{% for m in messages %} {{ m['content'] }}{% endfor %}"
+    ids = llm.get_tokenizer()("Once upon a time").input_ids  # what the template renders
+    messages = [{"role": "user", "content": "Once upon a time"}]
+    chat = llm.chat(messages, greedy(), use_tqdm=False, chat_template=template, lora_request=req)
+    plain = llm.generate([{"prompt_token_ids": ids}], greedy(), use_tqdm=False, lora_request=req)
+    base = llm.chat(messages, greedy(), use_tqdm=False, chat_template=template)
+    assert chat[0].prompt_token_ids == ids
+    assert chat[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert chat[0].outputs[0].token_ids != base[0].outputs[0].token_ids
+
+
 def test_lora_request_needs_enable_lora(adapters):
     llm = LLM("stories260K", num_blocks=32, device="cpu")
     with pytest.raises(RequestError, match="built without adapters: pass enable_lora=True"):
