@@ -184,8 +184,8 @@ class LLM:
                    for c in conversations]
         # The template already holds BOS if the model wants one: tokenize without adding it again.
         token_ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
-        return self.generate([{"prompt_token_ids": t} for t in token_ids], sampling_params, use_tqdm,
-                             lora_request=lora_request)
+        return self.generate([{"prompt_token_ids": t} for t in token_ids], sampling_params,
+                             use_tqdm, lora_request=lora_request)
 
     @property
     def trace(self):
