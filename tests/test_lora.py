@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from minipaged import LLM, LoRARequest, RequestError, SamplingParams
+from minipaged.engine.sequence import SequenceStatus
 from minipaged.lessons.baseline import load_hf_model
 from minipaged.lora import punica
 from minipaged.models.loader import resolve_builtin
@@ -466,3 +467,39 @@ def test_engine_with_triton_kernels_equals_reference(adapters):
     got = tokens(llm.generate(prompts, greedy(3), use_tqdm=False, lora_request=loras))
     assert got == reference
     assert reference[0] != reference[2]  # the same prompt with all8 and with the base model
+
+
+# --- the scheduler's slot count ------------------------------------------------------------------
+def _lora_seq(prompt, lora_id, name):
+    from minipaged.engine.sequence import Sequence
+    seq = Sequence(request_id=name, prompt_token_ids=list(prompt),
+                   sampling_params=SamplingParams(max_tokens=4))
+    seq.lora_request = LoRARequest(f"l{lora_id}", lora_id, "/x") if lora_id else None
+    return seq
+
+
+def test_scheduler_admits_behind_a_waiting_adapter_and_keeps_swapped_ones_out():
+    from minipaged.engine.block_manager import BlockManager
+    from minipaged.engine.scheduler import Scheduler
+    bm = BlockManager(64, 4, enable_prefix_caching=False)
+    bm.enable_swap(64)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_loras=1,
+                      preemption_mode="swap")
+    a, b, c, d = (_lora_seq([1, 2, 3], lora, n) for lora, n in ((1, "a"), (2, "b"), (0, "c"),
+                                                                 (1, "d")))
+    for s in (a, b, c, d):
+        sched.add(s)
+    out = sched.schedule()
+    # b's adapter would be a second one in one slot: it waits; c (base) and d (adapter 1) go
+    assert [s.seq.request_id for s in out.scheduled] == ["a", "c", "d"]
+    assert list(sched.waiting) == [b]
+    # a swapped-out sequence of adapter 2 does not come back while adapter 1 runs
+    for s in out.scheduled:
+        s.seq.num_computed_tokens += s.num_new_tokens
+    sched.waiting.clear()
+    bm.swap_out([c])
+    sched.running.remove(c)
+    c.lora_request, c.status = LoRARequest("l2", 2, "/x"), SequenceStatus.SWAPPED
+    sched.swapped.append([c])
+    out = sched.schedule()
+    assert c not in [s.seq for s in out.scheduled] and sched.swapped
