@@ -169,6 +169,9 @@ CONFIG_FIELDS = {
     "kv_cache_dtype": (st.sampled_from(KV_CACHE_DTYPES), bad_choices(KV_CACHE_DTYPES)),
     "max_logprobs": (ints(-1, BIG), bad_ints(-1)),
     "tensor_parallel_size": (ints(1, 1024), bad_ints(1)),
+    "enable_lora": (st.booleans(), bad_bools()),
+    "max_loras": (ints(1, BIG), bad_ints(1)),
+    "max_lora_rank": (ints(1, 512), bad_ints(1, 512)),
 }
 
 BEAM_BASE = dict(beam_width=2, max_tokens=4)
