@@ -99,6 +99,12 @@ class EngineConfig:
         1, "split every layer's weights and the KV heads across N processes (Megatron-style "
            "tensor parallelism on torch.distributed: gloo on the CPU, NCCL on GPUs; "
            "minipaged/distributed/)")
+    speculative_config: Optional[dict] = _knob(
+        None, "speculative decoding (vLLM's dict; on the command line as JSON): "
+              "{\"method\": \"ngram\", \"num_speculative_tokens\": K, \"prompt_lookup_max\": M, "
+              "\"prompt_lookup_min\": 1} or {\"method\": \"draft_model\", \"model\": "
+              "PATH_OR_PRESET, \"num_speculative_tokens\": K}. Turns async scheduling off; "
+              "refuses n > 1 and beam search (minipaged/spec_decode/, lesson 10)")
 
     def validate(self) -> None:
         """Every field's type and range (validation.py): a ValueError that starts with the
@@ -137,6 +143,8 @@ class EngineConfig:
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         check_int("max_logprobs", self.max_logprobs, lo=-1, note=" (-1: no limit)")
         check_int("tensor_parallel_size", self.tensor_parallel_size, lo=1)
+        if self.speculative_config is not None:
+            self.speculative.check_engine(self)
 
     # --- every "auto", decided once --------------------------------------------------------
     def resolve(self, model_config) -> "EngineConfig":
@@ -168,14 +176,20 @@ class EngineConfig:
             fused = cuda and backend == "triton"
         from minipaged.worker.cpu_threads import resolve_cpu_threads
         threads = resolve_cpu_threads(self.cpu_threads, device, model_config.hidden_size)
+        async_scheduling = self.async_scheduling
+        if async_scheduling is None:  # speculation needs each step's tokens before the next
+            async_scheduling = cuda and self.speculative_config is None
         out = replace(self, device=device, dtype=dtype, attention_backend=backend, fused_ops=fused,
-                      cpu_threads=threads,
-                      async_scheduling=cuda if self.async_scheduling is None
-                      else self.async_scheduling)
+                      cpu_threads=threads, async_scheduling=async_scheduling)
         out._resolve_lengths(model_config.max_position_embeddings)
         if out.tensor_parallel_size > 1:  # heads, vocabulary and devices must split N ways
             from minipaged.distributed.parallel_state import check_tensor_parallel
             check_tensor_parallel(out, model_config)
+        spec = out.speculative
+        if spec is not None and spec.method == "draft_model":  # its vocabulary and length
+            from minipaged.spec_decode.draft_proposer import draft_model_config
+            from minipaged.spec_decode.config import check_draft_model
+            check_draft_model(draft_model_config(spec.model), model_config, out.max_model_len)
         return out
 
     def _resolve_lengths(self, max_position_embeddings: int) -> None:
@@ -197,6 +211,14 @@ class EngineConfig:
                 f"or set enable_chunked_prefill=True.")
 
     # Derived choices of a resolved config: not knobs of their own.
+    @property
+    def speculative(self):
+        """`speculative_config` checked and typed (spec_decode/config.py), or None."""
+        if self.speculative_config is None:
+            return None
+        from minipaged.spec_decode.config import SpeculativeConfig
+        return SpeculativeConfig.from_dict(self.speculative_config)
+
     @property
     def is_cuda(self) -> bool:
         return self.device.startswith("cuda")

@@ -34,7 +34,23 @@ from typing import Optional
 from minipaged.cli.errors import CLIError, one_line
 from minipaged.config import EngineConfig, engine_fields
 
-_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _json_object(text: str) -> dict:
+    """A flag that takes a JSON object, as vLLM's `--speculative-config '{"method": ...}'`."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"method\": "
+                                         f"\"ngram\", \"num_speculative_tokens\": 4}}', got "
+                                         f"{text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object ({{...}}), got {text!r}")
+    return value
+
+
+_json_object.__name__ = "JSON"
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "dict": _json_object}
 
 # Where a model comes from (vLLM's names). `--download-dir` and `--revision` go to the loader's
 # `resolve_model`, which fetches the model before the engine starts (engine_config_from_args).

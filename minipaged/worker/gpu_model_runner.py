@@ -16,7 +16,8 @@ four differences that only matter on a GPU:
   (sampled by the previous step, not yet read by the host) takes it from that step's token
   tensor, gathered on the device.
 
-Decode steps replay CUDA graphs (cuda_graphs.py) when the config asks for them. This file also
+Decode steps replay CUDA graphs (cuda_graphs.py) when the config asks for them; a speculative
+verify step (queries of k + 1 tokens) runs eagerly, as prefill chunks do. This file also
 holds the engine's two CUDA-only set-up helpers: the activation profile that sizes the KV cache,
 and the garbage-collector freeze.
 """
@@ -89,8 +90,8 @@ class GPUModelRunner(ModelRunner):
                 input_ids.append(seq.token_ids[start])
                 positions.append(start)
                 slot_mapping.append(table[start // bs] * bs + start % bs)
-            else:
-                input_ids += seq.token_ids[start:start + n]
+            else:  # a prefill chunk, or a speculating sequence's token + proposals
+                input_ids += seq.token_ids[start:start + n] + s.spec_token_ids
                 pos = range(start, start + n)
                 positions += pos
                 slot_mapping += [table[p // bs] * bs + p % bs for p in pos]
@@ -122,7 +123,9 @@ class GPUModelRunner(ModelRunner):
             context_lens_host=context_lens, max_query_len=max(query_lens),
             max_context_len=max(context_lens), block_size=bs,
             num_decode_tokens=query_lens.count(1))
-        sample_rows = [sample_row[id(s)] for s in sched.scheduled if s.samples]
+        sample_rows = [row for s in sched.scheduled if s.samples  # speculating: k + 1 rows
+                       for row in range(sample_row[id(s)] - len(s.spec_token_ids),
+                                        sample_row[id(s)] + 1)]
         if from_gpu:  # (num_tokens,): the in-flight tokens' values, gathered on the device
             ids = ids.index_copy(0, dst, pending.tokens[src])
         return ids, pos_dev, metadata, sample_rows
