@@ -79,43 +79,40 @@ def rejection_sample(
     rows = torch.arange(num_rows, device=device)
     num_draft_tokens = num_draft_tokens.to(device=device, dtype=torch.long)
     draft_token_ids = draft_token_ids.to(device=device, dtype=torch.long)
+    # A batch of greedy rows only needs no random draw.
+    all_greedy = greedy_mask is not None and bool(greedy_mask.all())
     if greedy_mask is None:
         greedy_mask = torch.zeros(num_rows, dtype=torch.bool, device=device)
     greedy_mask = greedy_mask.to(device)
-    uniforms, noise = _draws(num_rows, max_k, vocab, num_draft_tokens, generators, generator,
-                             device)
 
     # 1. Which proposals are accepted. valid: the row really proposed that position.
     positions = torch.arange(max_k, device=device)
     valid = positions[None, :] < num_draft_tokens[:, None]  # (num_rows, max_k)
     safe_ids = draft_token_ids.clamp(min=0)  # -1 padding -> a harmless index
-    draft_p = target_probs[:, :max_k].gather(-1, safe_ids[..., None]).squeeze(-1).float()
-    if draft_probs is None:
-        draft_q = torch.ones_like(draft_p)  # n-gram: q(x) = 1 at the guess
-    else:
-        draft_q = draft_probs.gather(-1, safe_ids[..., None]).squeeze(-1).float()
-    # u < p/q written without dividing (q = 0 at a guess only if the proposer broke its own rule).
-    sampled_accept = uniforms * draft_q < draft_p  # (num_rows, max_k)
-    greedy_accept = draft_token_ids == target_probs[:, :max_k].argmax(dim=-1)
-    accept = torch.where(greedy_mask[:, None], greedy_accept, sampled_accept) & valid
+    accept = draft_token_ids == target_probs[:, :max_k].argmax(dim=-1)  # the greedy rule
+    if not all_greedy:
+        uniforms, noise = _draws(num_rows, max_k, vocab, num_draft_tokens, generators,
+                                 generator, device)
+        draft_p = target_probs[:, :max_k].gather(-1, safe_ids[..., None]).squeeze(-1).float()
+        if draft_probs is None:
+            draft_q = torch.ones_like(draft_p)  # n-gram: q(x) = 1 at the guess
+        else:
+            draft_q = draft_probs.gather(-1, safe_ids[..., None]).squeeze(-1).float()
+        # u < p/q without dividing (q = 0 at a guess only if the proposer broke its own rule).
+        sampled_accept = uniforms * draft_q < draft_p  # (num_rows, max_k)
+        accept = torch.where(greedy_mask[:, None], accept, sampled_accept)
+    accept &= valid
     # Accepted prefix: stop at the first rejection. cumprod turns 1 1 0 1 into 1 1 0 0.
     num_accepted = accept.long().cumprod(dim=-1).sum(dim=-1)  # (num_rows,)
 
     # 2. The one token after the accepted prefix, at position num_accepted of each row.
     p_last = target_probs[rows, num_accepted].float()  # (num_rows, vocab)
-    rejected = num_accepted < num_draft_tokens  # else: all accepted, bonus from p_last
-    weights = p_last
-    if max_k > 0:
-        at = num_accepted.clamp(max=max_k - 1)
-        if draft_probs is None:  # residual of a one-hot q: p with the rejected guess removed
-            residual = p_last.scatter(-1, safe_ids[rows, at][:, None], 0.0)
-        else:
-            residual = (p_last - draft_probs[rows, at].float()).clamp(min=0.0)
-        # p == q leaves nothing: fall back to p (only rounding can get here).
-        usable = rejected & (residual.sum(dim=-1) > 0)
-        weights = torch.where(usable[:, None], residual, p_last)  # (num_rows, vocab)
-    sampled = (weights / noise).argmax(dim=-1)  # exponential race: a draw from norm(weights)
-    last_token = torch.where(greedy_mask, p_last.argmax(dim=-1), sampled)
+    last_token = p_last.argmax(dim=-1)  # greedy rows
+    if not all_greedy:
+        weights = _correction_weights(p_last, num_accepted, num_draft_tokens, safe_ids,
+                                      draft_probs)
+        sampled = (weights / noise).argmax(dim=-1)  # exponential race: a draw from norm(weights)
+        last_token = torch.where(greedy_mask, last_token, sampled)
 
     # 3. Accepted drafts, then the last token, then -1.
     output = torch.full((num_rows, max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long,
@@ -124,6 +121,26 @@ def rejection_sample(
     output[:, :max_k] = torch.where(kept, draft_token_ids, PLACEHOLDER_TOKEN_ID)
     output[rows, num_accepted] = last_token
     return output, num_accepted
+
+
+def _correction_weights(p_last: torch.Tensor, num_accepted: torch.Tensor,
+                        num_draft_tokens: torch.Tensor, safe_ids: torch.Tensor,
+                        draft_probs: Optional[torch.Tensor]) -> torch.Tensor:
+    """(num_rows, vocab) unnormalised weights of the last token: the residual max(0, p - q) at
+    a rejection, p itself after all proposals were accepted (the bonus token)."""
+    num_rows, max_k = safe_ids.shape
+    if max_k == 0:
+        return p_last
+    rows = torch.arange(num_rows, device=p_last.device)
+    at = num_accepted.clamp(max=max_k - 1)  # the rejected position (rows that rejected one)
+    if draft_probs is None:  # residual of a one-hot q: p with the rejected guess removed
+        residual = p_last.scatter(-1, safe_ids[rows, at][:, None], 0.0)
+    else:
+        residual = (p_last - draft_probs[rows, at].float()).clamp(min=0.0)
+    # All accepted: the bonus comes from p. p == q leaves nothing: p too (only rounding gets
+    # here).
+    usable = (num_accepted < num_draft_tokens) & (residual.sum(dim=-1) > 0)
+    return torch.where(usable[:, None], residual, p_last)
 
 
 def _draws(num_rows: int, max_k: int, vocab: int, num_draft_tokens: torch.Tensor,

@@ -16,7 +16,6 @@ fewer where the sequence ends first, [] when no n matches.
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from minipaged.validation import check_int
 
@@ -35,12 +34,17 @@ class NgramProposer:
         """token_ids: the whole sequence so far (prompt + output), a list or 1-d array."""
         tokens = np.asarray(token_ids, dtype=np.int64)  # (L,)
         length = len(tokens)
+        if length < 2:
+            return []
+        # Every earlier n-gram that matches the suffix ends with the last token: the candidates
+        # are the positions before the last that hold it (L - 1 excluded: the suffix itself).
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # (candidates,)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            suffix = tokens[length - n:]  # (n,)
-            # Windows that start at 0 .. L-n-1: every n-gram but the suffix itself.
-            windows = sliding_window_view(tokens[:-1], n)  # (L - n, n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n  # the most recent occurrence's next token
+            cand = ends[ends >= n - 1]  # room for n - 1 tokens before the end
+            match = np.ones(len(cand), dtype=bool)
+            for back in range(1, n):  # compare the suffix's other tokens, right to left
+                match &= tokens[cand - back] == tokens[length - 1 - back]
+            if match.any():
+                start = int(cand[match][-1]) + 1  # after the most recent occurrence
                 return tokens[start:start + self.k].tolist()
         return []
