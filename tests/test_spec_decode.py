@@ -358,3 +358,35 @@ class SpecRollbackMachine(RuleBasedStateMachine):
 
 TestSpecRollback = SpecRollbackMachine.TestCase
 TestSpecRollback.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_serve_exposes_vllm_spec_decode_counters():
+    """`serve --speculative-config JSON`: vLLM's spec-decode counters at /metrics, equal to
+    the engine's, and the completions equal the offline engine's."""
+    import httpx
+    from tests.test_server import ServerThread
+    spec = ngram(3)
+    server = ServerThread("stories260K", "--num-blocks", "128", "--device", "cpu",
+                          "--speculative-config", json.dumps(spec),
+                          "--uvicorn-log-level", "warning")
+    try:
+        prompt = "Lily and Ben went to the park. Lily and Ben"
+        r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": "stories260K", "prompt": prompt, "max_tokens": 40, "temperature": 0})
+        assert r.status_code == 200, r.text
+        offline = LLM("stories260K", num_blocks=128, speculative_config=spec)
+        want = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=40),
+                                use_tqdm=False)[0].outputs[0].text
+        assert r.json()["choices"][0]["text"] == want
+        server.wait_idle()
+        stats = server.engine.spec_decode.stats
+        m = server.metrics()
+        assert stats.num_accepted_tokens > 0
+        assert m["minipaged:spec_decode_num_drafts_total"] == stats.num_drafts
+        assert m["minipaged:spec_decode_num_draft_tokens_total"] == stats.num_draft_tokens
+        assert m["minipaged:spec_decode_num_accepted_tokens_total"] == stats.num_accepted_tokens
+        for i, n in enumerate(stats.num_accepted_tokens_per_pos):
+            key = f'minipaged:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}'
+            assert m.get(key, 0.0) == n
+    finally:
+        server.stop()
