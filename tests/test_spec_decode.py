@@ -76,7 +76,8 @@ def test_ngram_greedy_equals_hf_for_k_1_to_5(stories_hf):
         assert tokens(outs) == expected, f"k={k}"
         stats = llm.engine.spec_decode.stats
         assert stats.num_accepted_tokens > 0 and len(stats.num_accepted_tokens_per_pos) == k
-        assert sum(o.metrics["spec_num_accepted_tokens"] for o in outs) == stats.num_accepted_tokens
+        per_request = sum(o.metrics["spec_num_accepted_tokens"] for o in outs)
+        assert per_request == stats.num_accepted_tokens
         # Every emitted token is a verified one: fewer steps than tokens once proposals land.
         assert len(llm.trace) < max(lengths) + 1
         llm.engine.block_manager.check_invariants([])
@@ -99,22 +100,39 @@ def test_draft_model_greedy_parity(stories_hf, tiny_draft):
     assert tiny.engine.spec_decode.proposer.kv_cache.shape[2] == tiny.engine.num_blocks
 
 
-@pytest.mark.parametrize("spec", [ngram(4), {"method": "draft_model", "model": "stories260K",
-                                               "num_speculative_tokens": 2}])
-def test_speculation_under_preemption_and_chunked_prefill(stories_hf, spec):
-    """24 blocks x 8 slots for 16 sequences force recompute preemptions; a budget of 32 tokens
-    splits prompts into chunks and cuts proposals where the budget ends."""
+@pytest.mark.parametrize("spec, mode", [
+    (ngram(4), "recompute"), (ngram(2), "swap"),
+    ({"method": "draft_model", "model": "stories260K", "num_speculative_tokens": 2}, "recompute")])
+def test_speculation_under_preemption_and_chunked_prefill(stories_hf, spec, mode):
+    """24 blocks x 8 slots for 16 sequences force preemptions; a budget of 32 tokens splits
+    prompts into chunks and cuts proposals where the budget ends."""
     prompts = prompts_of(16, 2, 20, 50)
     llm = LLM("stories260K", block_size=8, num_blocks=24, max_model_len=128,
-              max_num_batched_tokens=32, speculative_config=spec)
+              max_num_batched_tokens=32, speculative_config=spec, preemption_mode=mode)
     outs = llm.generate(prompts, greedy(30), use_tqdm=False)
     assert tokens(outs) == hf_greedy(stories_hf, prompts, 30)
     trace = llm.trace
     assert sum(len(r.preempted) for r in trace) > 0
+    assert (mode == "swap") == any(r.swapped_out for r in trace)
     assert all(r.num_batched_tokens <= 32 for r in trace)
     assert any(r.num_prefill_tokens and any(r.num_draft_tokens_per_pos) for r in trace)
     assert llm.engine.spec_decode.stats.num_accepted_tokens > 0
     assert llm.engine.block_manager.num_free_blocks == 24
+
+
+def test_gpu_ordered_inputs_verify_the_same(stories_hf):
+    """The GPU runner's inputs (decodes first, longest context first, packed) on the CPU: the
+    verify rows' k + 1 logits still come back in step order."""
+    from minipaged.worker.gpu_model_runner import GPUModelRunner
+    prompts = prompts_of(8, 9)
+    llm = LLM("stories260K", block_size=8, max_num_batched_tokens=40,
+              speculative_config=ngram(4))
+    eng = llm.engine
+    eng.model_runner = GPUModelRunner(eng.model, eng.kv_cache, eng.backend, 8, max_num_seqs=256,
+                                      max_model_len=512, cuda_graphs=False)
+    outs = llm.generate(prompts, greedy(30), use_tqdm=False)
+    assert tokens(outs) == hf_greedy(stories_hf, prompts, 30)
+    assert eng.spec_decode.stats.num_accepted_tokens > 0
 
 
 def test_mixed_batch_some_requests_do_not_speculate(stories_hf):
@@ -166,7 +184,8 @@ def test_rollback_gives_rejected_slots_blocks_back():
         record = llm.trace[-1]
         rejected += sum(record.num_draft_tokens_per_pos) - sum(record.num_accepted_tokens_per_pos)
         for seq in eng.scheduler.running:
-            assert len(eng.block_manager.block_tables[seq.seq_id]) == -(-seq.num_computed_tokens // 2)
+            table = eng.block_manager.block_tables[seq.seq_id]
+            assert len(table) == -(-seq.num_computed_tokens // 2)
         eng.block_manager.check_invariants(s.seq_id for s in eng.scheduler.running)
     assert rejected > 10
 
@@ -261,7 +280,8 @@ def test_combinations_not_supported_yet_are_refused(tmp_path):
         EngineConfig(tensor_parallel_size=2, speculative_config=ngram(2)).validate()
     with pytest.raises(ValueError, match="preemption_mode='swap'"):
         EngineConfig(preemption_mode="swap", speculative_config={
-            "method": "draft_model", "model": "stories260K", "num_speculative_tokens": 2}).validate()
+            "method": "draft_model", "model": "stories260K",
+            "num_speculative_tokens": 2}).validate()
     make_tiny_hf_model("llama", tmp_path / "v97")  # vocabulary 97, not 512
     with pytest.raises(ValueError, match="vocab_size is 97, the target's 512"):
         LLM("stories260K", speculative_config={"method": "draft_model",

@@ -1,4 +1,6 @@
-"""A draft model proposes: a smaller Llama with the target's vocabulary guesses k tokens (lesson 10).
+"""A draft model proposes: a smaller Llama with the target's vocabulary guesses k tokens.
+
+Lesson 10 (speculative decoding) draws it.
 
 The draft keeps its own paged KV cache, tensors of its own shape with the target's number of
 blocks, indexed by the SAME block tables and slot mapping: slot s of the draft's cache holds
