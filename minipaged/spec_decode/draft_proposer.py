@@ -43,7 +43,7 @@ class DraftModelProposer:
         source = resolve_model(spec.model)
         self.model, self.model_config = load_model(
             source, engine.dtype, engine.device, engine.backend, max_positions=cfg.max_model_len,
-            seed=cfg.seed + 1, fused_ops=cfg.fused_ops)
+            seed=cfg.seed, fused_ops=cfg.fused_ops)
         kv_cfg = self.model.config
         if engine.device.type == "cuda":
             need = engine.num_blocks * block_bytes(kv_cfg, cfg.block_size, engine.kv_dtype)
