@@ -190,6 +190,29 @@ def test_rollback_gives_rejected_slots_blocks_back():
     assert rejected > 10
 
 
+def test_streaming_reports_each_request_once_per_step():
+    llm = LLM("stories260K", block_size=8, speculative_config=ngram(4))
+    eng = llm.engine
+    eng.stream_outputs = True
+    prompts = prompts_of(4, 10)
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, greedy(30))
+    seen: dict[str, list[int]] = {}
+    grew = 0
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+        ids = [o.request_id for o in outs]
+        assert len(ids) == len(set(ids))
+        for o in outs:
+            new = o.outputs[0].token_ids
+            grew = max(grew, len(new) - len(seen.get(o.request_id, [])))
+            assert new[:len(seen.get(o.request_id, []))] == seen.get(o.request_id, [])
+            seen[o.request_id] = new
+    base = LLM("stories260K", block_size=8).generate(prompts, greedy(30), use_tqdm=False)
+    assert [seen[str(i)] for i in range(4)] == tokens(base)
+    assert grew > 1  # a step that emitted several tokens for one request
+
+
 def test_seeded_sampling_is_reproducible():
     prompts = prompts_of(4, 5)
     params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=i, max_tokens=30,
