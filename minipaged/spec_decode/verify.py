@@ -95,5 +95,5 @@ def verify(logits: torch.Tensor, entries: list[ScheduledSeq], engine_generator: 
     output, num_accepted = rejection_sample(
         probs, drafts, to_device(ks, device, torch.long), None,
         to_device(greedy, device, torch.bool), generators, generator=engine_generator)
-    accepted = num_accepted.tolist()
-    return [row[:a + 1] for row, a in zip(output.tolist(), accepted)], accepted
+    rows = torch.cat([num_accepted[:, None], output], dim=1).tolist()  # one host sync
+    return [row[1:row[0] + 2] for row in rows], [row[0] for row in rows]
