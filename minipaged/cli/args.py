@@ -237,14 +237,16 @@ def add_engine_args(parser: argparse.ArgumentParser, model_default: str = "stori
         meta = dict(f.metadata)
         help_text = meta.pop("help", "")
         default = model_default if f.name == "model" else f.default
-        if default is None:
-            help_text += " (default: auto)"
+        if default is None:  # decided by resolve; a JSON knob (speculative_config) is off
+            help_text += " (default: off)" if kind is _json_object else " (default: auto)"
         if kind is bool:
             group.add_argument(*flag_names(f.name, twins), dest=f.name, default=default,
                                action=argparse.BooleanOptionalAction, help=help_text)
         elif default is None:  # decided by EngineConfig.resolve; "auto" asks for that
             choices = meta.pop("choices", None)
             metavar = "{" + ",".join(("auto", *choices)) + "}" if choices else None
+            if kind is _json_object:
+                metavar = "JSON"
             group.add_argument(*flag_names(f.name, twins), dest=f.name, default=None,
                                type=_auto_or(kind, choices), metavar=metavar, help=help_text,
                                **meta)
