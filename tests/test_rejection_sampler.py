@@ -73,6 +73,21 @@ def test_second_token_follows_target_after_an_acceptance():
     assert chi_square_p_value(second, p) > P_VALUE_FLOOR
 
 
+def test_bonus_token_follows_the_target_after_the_guesses():
+    """All guesses kept: the bonus comes from p at the position after them (here another
+    distribution than at the guess), not from a residual."""
+    p, q = toy_pair()
+    p_next = torch.tensor([0.30, 0.02, 0.18, 0.10, 0.05, 0.15, 0.10, 0.10])
+    gen = torch.Generator().manual_seed(4)
+    drafts = sample_drafts(q, ROWS, 1, gen)
+    target = torch.stack([p, p_next]).expand(ROWS, 2, VOCAB)
+    out, acc = rejection_sample(target, drafts, torch.ones(ROWS, dtype=torch.long),
+                                q.expand(ROWS, 1, VOCAB), generator=gen)
+    assert chi_square_p_value(out[acc == 1, 1], p_next) > P_VALUE_FLOOR
+    assert chi_square_p_value(out[acc == 0, 0], (p - q).clamp(min=0) / (p - q).clamp(min=0).sum()
+                              ) > P_VALUE_FLOOR  # and a correction from the residual
+
+
 def test_threshold_rejects_biased_rules():
     """The same test fails rules that are nearly right, so passing it means something."""
     out, acc, drafts, p, q = run_toy(k=1)

@@ -78,19 +78,25 @@ def _run_once(llm, prompts: Sequence[str], params, setting: str) -> SpecRun:
 
 def compare(model: str, batch: int, ks: Sequence[int] = (0, 2, 4), max_tokens: int = 128,
             repeats: int = 3, prompt_lookup_max: int = 4, llms: Optional[dict] = None,
+            prompts: Optional[Sequence] = None, configs: Optional[dict] = None,
             **llm_kw) -> list[SpecRun]:
-    """Greedy, ignore_eos: `batch` story prompts, `max_tokens` each, at every k (0 = off).
-    Best of `repeats` per setting, the settings interleaved. `llms` (k -> LLM) reuses engines
-    built before (their max_num_seqs must hold the batch)."""
+    """Greedy, ignore_eos: `batch` prompts (default: story openings; or token id lists),
+    `max_tokens` each, at every k (0 = off). Best of `repeats` per setting, the settings
+    interleaved. `configs` (k -> (name, speculative_config)) replaces the n-gram settings;
+    `llms` (k -> LLM) reuses engines built before (their max_num_seqs must hold the batch)."""
     from minipaged import LLM, SamplingParams
-    prompts = story_prompts(batch)
+    prompts = list(prompts) if prompts is not None else story_prompts(batch)
+    if len(prompts) != batch:
+        raise ValueError(f"prompts must hold batch={batch} prompts, got {len(prompts)}")
+    configs = configs or {k: ("off" if k == 0 else f"ngram k={k}",
+                              ngram_config(k, prompt_lookup_max)) for k in ks}
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llms = dict(llms or {})
     for k in ks:
         if k not in llms:
-            llms[k] = LLM(model, speculative_config=ngram_config(k, prompt_lookup_max),
+            llms[k] = LLM(model, speculative_config=configs[k][1],
                           max_num_seqs=max(batch, 1), **llm_kw)
-        # Warm-up: other prompts (reversed text), so the timed run finds no prefix-cache hit.
+        # Warm-up: other prompts (reversed), so the timed run finds no prefix-cache hit.
         llms[k].generate([p[::-1] for p in prompts[:8]],
                          SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
                          use_tqdm=False)
@@ -98,7 +104,7 @@ def compare(model: str, batch: int, ks: Sequence[int] = (0, 2, 4), max_tokens: i
     for _ in range(repeats):
         for k in ks:
             _sync(llms[k])
-            run = _run_once(llms[k], prompts, params, "off" if k == 0 else f"ngram k={k}")
+            run = _run_once(llms[k], prompts, params, configs[k][0])
             if k not in best or run.elapsed_sec < best[k].elapsed_sec:
                 best[k] = run
     return [best[k] for k in ks]
