@@ -28,6 +28,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -150,7 +151,8 @@ def main(argv=None) -> None:
         raise SystemExit("--ks must include 0 (speculation off): every ratio is against it")
     ks = [0] + [k for k in ks if k]
     t0 = time.perf_counter()
-    result = {"command": "python benchmarks/spec_decode.py " + " ".join(argv or sys.argv[1:]),
+    load_before = os.getloadavg()[0]  # other processes on the machine (the CPU is shared)
+    result = {"command": " ".join(["python benchmarks/spec_decode.py", *(argv or sys.argv[1:])]),
               "device": device, "workload": f"stories260K, greedy story openings, "
               f"{a.max_tokens} tokens each, EOS ignored; best of {a.repeats}, settings in turns",
               "stories260k": with_ratios(stories(device, batches, ks, a.max_tokens, a.repeats))}
@@ -162,7 +164,8 @@ def main(argv=None) -> None:
                     "models, the cost of the draft machinery is real",
             "target": "dummy:qwen3-0.6b", "draft": DRAFT_PRESET, "runs": with_ratios(draft)}
         result["qwen3_0.6b_nanovllm"] = full_batch(device, 4, a.num_requests)
-    result["environment"] = environment()
+    result["environment"] = dict(environment(), load_average_1min=[round(load_before, 2),
+                                                                  round(os.getloadavg()[0], 2)])
     result["wall_sec"] = round(time.perf_counter() - t0, 1)
     name = "spec_decode_h200.json" if a.h200 else f"spec_decode_{device}_stories260k.json"
     out = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / name

@@ -1,9 +1,9 @@
 """Build it yourself: rebuild the engine's central pieces, graded by the project's own tests.
 
-Lessons 02-06 each end with one exercise (tiny-llm's graders are the model). Each exercise is a
-*skeleton* module in this folder: the real signatures and docstrings of the functions to write,
-bodies that raise NotImplementedError. The registry below says which real symbols they replace
-and which of the project's tests grade them.
+Lessons 02-06 and 10 each end with one exercise (tiny-llm's graders are the model). Each
+exercise is a *skeleton* module in this folder: the real signatures and docstrings of the
+functions to write, bodies that raise NotImplementedError. The registry below says which real
+symbols they replace and which of the project's tests grade them.
 
     minipaged exercise list                   the exercises, their lessons and what to write
     minipaged exercise start NAME             copies the skeleton to exercises/NAME.py (your file)
@@ -93,6 +93,16 @@ EXERCISES: tuple[Exercise, ...] = (
             _SAMPLER + "test_min_p_keeps_tokens_within_ratio_of_the_top_token",
             _SAMPLER + "test_disabled_filters_keep_the_whole_vocabulary",
             _SAMPLER + "test_top_k_sampling_matches_the_truncated_softmax",
+        )),
+    Exercise(
+        name="rejection_sampler",
+        lessons=("10_speculative_decoding",),
+        summary="speculative decoding's rule: accept min(1, p/q), else draw from max(0, p - q)",
+        targets=("minipaged.sampling.rejection_sampler:rejection_sample",
+                 "minipaged.sampling.rejection_sampler:_correction_weights"),
+        tests=(
+            "tests/test_rejection_sampler.py",
+            "tests/test_spec_decode.py::test_ngram_greedy_equals_hf_for_k_1_to_5",
         )),
     Exercise(
         name="online_softmax",

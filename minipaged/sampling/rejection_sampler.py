@@ -39,7 +39,6 @@ import torch
 PLACEHOLDER_TOKEN_ID = -1  # pads draft_token_ids and output_token_ids
 
 
-@torch.no_grad()
 def rejection_sample(
     target_probs: torch.Tensor,
     draft_token_ids: torch.Tensor,
