@@ -197,7 +197,8 @@ def _repetitive_prompts(n, seed):
 
 @pytest.mark.parametrize("k", [1, 4])
 def test_spec_decode_ngram_greedy_parity_on_gpu(k):
-    """Verify steps run eagerly (k + 1 query tokens); steps without proposals replay graphs."""
+    """Verify steps replay the verify graphs (k + 1 query tokens, spec_decode/cuda_graphs.py),
+    steps without proposals the decode graphs."""
     import gc
     gc.collect()
     torch.cuda.empty_cache()
@@ -207,13 +208,34 @@ def test_spec_decode_ngram_greedy_parity_on_gpu(k):
               gpu_memory_utilization=0.05,
               speculative_config={"method": "ngram", "num_speculative_tokens": k,
                                   "prompt_lookup_max": 3})
-    assert llm.engine.model_runner.graph_runner is not None
+    runner = llm.engine.model_runner
+    assert runner.graph_runner is not None and runner.verify_graph_runner.graphs
     assert llm.config.async_scheduling is False  # turned off by speculation
+    replays = []
+    run = runner.verify_graph_runner.run
+    runner.verify_graph_runner.run = lambda *a: replays.append(1) or run(*a)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == _greedy_hf(hf, prompts, 48)
-    assert llm.engine.spec_decode.stats.num_accepted_tokens > 0
+    assert llm.engine.spec_decode.stats.num_accepted_tokens > 0 and replays
     assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+
+
+def test_spec_decode_verify_graphs_equal_eager_fp32_qwen3(tmp_path):
+    make_tiny_hf_model("qwen3", tmp_path / "q3", dtype=torch.float32)
+    rng = random.Random(5)
+    prompts = [[1] + [rng.randrange(3, 97) for _ in range(rng.randint(4, 30))] * 2
+               for _ in range(24)]
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    res = []
+    for eager in (True, False):
+        llm = LLM(str(tmp_path / "q3"), dtype="float32", device="cuda", max_num_seqs=32,
+                  enforce_eager=eager, num_blocks=512,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+        assert (llm.engine.model_runner.verify_graph_runner is None) == eager
+        res.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
+        del llm
+    assert res[0] == res[1]
 
 
 def test_spec_decode_draft_model_greedy_parity_on_gpu(tmp_path):

@@ -23,7 +23,7 @@ from minipaged.engine.processor import RequestError
 from minipaged.engine.sequence import Sequence
 from minipaged.lessons.baseline import load_hf_model
 from minipaged.models.loader import resolve_builtin
-from tests.helpers import hf_greedy, make_tiny_hf_model
+from tests.helpers import IGNORE_INTERPRETER_WARNINGS, hf_greedy, make_tiny_hf_model
 
 
 def ngram(k, **kw):
@@ -133,6 +133,38 @@ def test_gpu_ordered_inputs_verify_the_same(stories_hf):
     outs = llm.generate(prompts, greedy(30), use_tqdm=False)
     assert tokens(outs) == hf_greedy(stories_hf, prompts, 30)
     assert eng.spec_decode.stats.num_accepted_tokens > 0
+
+
+@IGNORE_INTERPRETER_WARNINGS
+def test_verify_graph_buffers_front_padded_equal_hf(stories_hf):
+    """spec_decode/cuda_graphs.py's padded static step (queries of 2..k + 1 tokens padded at
+    the front to k + 1, a short prompt included), run eagerly through the Triton kernels (the
+    interpreter on the CPU): the tokens HF gives. The GPU test replays the captured graphs."""
+    import os
+    from minipaged.worker.gpu_model_runner import GPUModelRunner
+    pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    prompts = [[1] + [400, 401, 402, 403] * 3, [1, 300, 301]]
+    lengths = [10, 4]
+    llm = LLM("stories260K", device=device, block_size=8, num_blocks=64, max_model_len=64,
+              max_num_seqs=4, attention_backend="triton", enforce_eager=True,
+              speculative_config={"method": "draft_model", "model": "stories260K",
+                                  "num_speculative_tokens": 3})
+    eng = llm.engine
+    if not isinstance(eng.model_runner, GPUModelRunner):
+        eng.model_runner = GPUModelRunner(eng.model, eng.kv_cache, eng.backend, 8, max_num_seqs=4,
+                                          max_model_len=64, cuda_graphs=False)
+    eng.spec_decode.install_verify_graphs(eng, capture=False)
+    graphs = eng.model_runner.verify_graph_runner
+    ran = []
+    run = graphs.run
+    graphs.run = lambda *a: ran.append(list(a[2].query_lens)) or run(*a)
+    outs = llm.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)
+    assert tokens(outs) == hf_greedy(stories_hf, prompts, lengths)
+    assert len(ran) >= 2, ran  # verify steps went through the padded buffers ...
+    assert any(q != [4] * len(q) for q in ran), ran  # ... some with padded rows
 
 
 def test_mixed_batch_some_requests_do_not_speculate(stories_hf):

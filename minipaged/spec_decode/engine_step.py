@@ -82,8 +82,22 @@ class SpeculativeDecoding:
             from minipaged.spec_decode.draft_proposer import DraftModelProposer
             self.proposer = DraftModelProposer(engine, spec)
         self.stats = SpecDecodingStats(self.k)
+        if engine.config.use_cuda_graphs:  # verify steps replay graphs too (q = k + 1 tokens)
+            self.install_verify_graphs(engine, capture=True)
         engine.scheduler = engine.make_scheduler(SpecDecodeScheduler)
         engine.step = self.step
+
+    def install_verify_graphs(self, engine, capture: bool) -> None:
+        """Give the GPU model runner a `VerifyGraphRunner` (spec_decode/cuda_graphs.py);
+        `capture=False`: its padded static buffers run eagerly (the CPU tests)."""
+        from minipaged.spec_decode.cuda_graphs import VerifyGraphRunner
+        cfg, runner = engine.config, engine.model_runner
+        graphs = VerifyGraphRunner(runner.model, runner.kv_cache, runner.backend,
+                                   query_len=self.k + 1, max_num_seqs=cfg.max_num_seqs,
+                                   max_model_len=cfg.max_model_len, block_size=cfg.block_size,
+                                   device=runner.device)
+        graphs.capture(graphs=capture)
+        runner.verify_graph_runner = graphs
 
     # --- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

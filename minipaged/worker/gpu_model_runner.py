@@ -16,8 +16,8 @@ four differences that only matter on a GPU:
   (sampled by the previous step, not yet read by the host) takes it from that step's token
   tensor, gathered on the device.
 
-Decode steps replay CUDA graphs (cuda_graphs.py) when the config asks for them; a speculative
-verify step (queries of k + 1 tokens) runs eagerly, as prefill chunks do. This file also
+Decode steps replay CUDA graphs (cuda_graphs.py) when the config asks for them; so do
+speculative verify steps (queries of up to k + 1 tokens, spec_decode/cuda_graphs.py). This file also
 holds the engine's two CUDA-only set-up helpers: the activation profile that sizes the KV cache,
 and the garbage-collector freeze.
 """
@@ -53,6 +53,7 @@ class GPUModelRunner(ModelRunner):
                  *, max_num_seqs: int, max_model_len: int, cuda_graphs: bool):
         super().__init__(model, kv_cache, backend, block_size)
         self.graph_runner = None
+        self.verify_graph_runner = None  # speculative decoding's (spec_decode/cuda_graphs.py)
         if cuda_graphs:
             from minipaged.worker.cuda_graphs import CUDAGraphRunner
             self.graph_runner = CUDAGraphRunner(model, kv_cache, backend, max_num_seqs=max_num_seqs,
@@ -138,6 +139,8 @@ class GPUModelRunner(ModelRunner):
         graphs = self.graph_runner
         if graphs is not None and metadata.max_query_len == 1 and graphs.can_run(metadata.num_seqs):
             hidden = graphs.run(input_ids, positions, metadata)  # decode step: replay a graph
+        elif self.verify_graph_runner is not None and self.verify_graph_runner.can_run(metadata):
+            hidden = self.verify_graph_runner.run(input_ids, positions, metadata)  # k + 1 each
         else:
             hidden = self.forward(input_ids, positions, metadata)
         return self.compute_logits(hidden, sample_rows)
