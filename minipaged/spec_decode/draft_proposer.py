@@ -18,7 +18,9 @@ Two things keep the draft's cache in step with the target's:
   the mirror later rewrites with the same values, plus the last guess).
 
 Proposals are the draft's argmax, a deterministic q, so rejection sampling stays lossless with
-q one-hot. The draft's steps run eagerly (no CUDA graphs for them yet).
+q one-hot. On CUDA the draft's single-token steps (and decode-only mirrored steps) replay its
+own decode CUDA graphs (worker/cuda_graphs.py); its mirrored verify and prefill steps run
+eagerly.
 """
 from __future__ import annotations
 
@@ -61,7 +63,8 @@ class DraftModelProposer:
             from minipaged.worker.gpu_model_runner import GPUModelRunner
             self.runner = GPUModelRunner(self.model, self.kv_cache, engine.backend,
                                          cfg.block_size, max_num_seqs=cfg.max_num_seqs,
-                                         max_model_len=cfg.max_model_len, cuda_graphs=False)
+                                         max_model_len=cfg.max_model_len,
+                                         cuda_graphs=cfg.use_cuda_graphs)
         else:
             from minipaged.worker.model_runner import ModelRunner
             self.runner = ModelRunner(self.model, self.kv_cache, engine.backend, cfg.block_size)
@@ -73,7 +76,15 @@ class DraftModelProposer:
         """Run the target's step on the draft: its cache gets the same positions."""
         copy_blocks(self.kv_cache, sched.blocks_to_copy)
         input_ids, positions, metadata, _ = self.runner.prepare_inputs(sched)
-        self.runner.forward(input_ids, positions, metadata)
+        self._forward(input_ids, positions, metadata)
+
+    def _forward(self, input_ids, positions, metadata) -> torch.Tensor:
+        """The draft's forward; a decode-only step replays its CUDA graphs where it has them."""
+        graphs = getattr(self.runner, "graph_runner", None)
+        decode = metadata.max_query_len == 1
+        if graphs is not None and decode and graphs.can_run(metadata.num_seqs):
+            return graphs.run(input_ids, positions, metadata)  # (num_seqs, hidden)
+        return self.runner.forward(input_ids, positions, metadata)  # (num_tokens, hidden)
 
     @torch.inference_mode()
     def propose(self, entries) -> None:
@@ -87,7 +98,7 @@ class DraftModelProposer:
                                              [starts[i] + j for i in rows])
             ids = to_device([tokens[i] for i in rows], self.device, torch.int64)
             pos = to_device([starts[i] + j for i in rows], self.device, torch.int64)
-            hidden = self.runner.forward(ids, pos, metadata)  # (rows, hidden)
+            hidden = self._forward(ids, pos, metadata)  # (rows, hidden)
             guesses = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
             for i, t in zip(rows, guesses):
                 entries[i].spec_token_ids[j] = t
