@@ -17,9 +17,9 @@ four differences that only matter on a GPU:
   tensor, gathered on the device.
 
 Decode steps replay CUDA graphs (cuda_graphs.py) when the config asks for them; so do
-speculative verify steps (queries of up to k + 1 tokens, spec_decode/cuda_graphs.py). This file also
-holds the engine's two CUDA-only set-up helpers: the activation profile that sizes the KV cache,
-and the garbage-collector freeze.
+speculative verify steps (queries of up to k + 1 tokens, spec_decode/cuda_graphs.py). This file
+also holds the engine's two CUDA-only set-up helpers: the activation profile that sizes the KV
+cache, and the garbage-collector freeze.
 """
 from __future__ import annotations
 
