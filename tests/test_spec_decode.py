@@ -310,6 +310,9 @@ def test_trace_and_stats_per_position():
     # A verify row counts as a decode of 1 + k tokens from the cache position before the step.
     row = next(e for r in llm.trace for e in r.scheduled if e.num_decode_tokens > 1)
     assert row.num_prefill_tokens == 0 and row.num_computed_before > 0
+    untraced = LLM("stories260K", block_size=8, max_trace_len=0, speculative_config=ngram(3))
+    untraced.generate(prompts_of(4, 6), greedy(30), use_tqdm=False)
+    assert untraced.engine.spec_decode.stats.num_drafts == stats.num_drafts
 
 
 # --- guards ---------------------------------------------------------------------------------

@@ -187,6 +187,8 @@ class SpeculativeDecoding:
     def _trace(self, spec: list, before: dict[int, int], accepted: list[int]) -> None:
         """This step's proposals and acceptances in its StepRecord; the verify rows' cache
         position before the step (the record was written after the rollback)."""
+        if not self.engine.trace:  # max_trace_len=0 keeps none
+            return
         record = self.engine.trace[-1]
         record.scheduled = [e._replace(num_computed_before=before[e.seq_id])
                             if e.seq_id in before else e for e in record.scheduled]
