@@ -253,3 +253,24 @@ def test_seeded_rows_replay_whatever_the_batch():
     # Different seeds give different tokens somewhere (the row is random, not fixed).
     others = {tuple(seeded_call(s, 2, 3, 0)[0][0].tolist()) for s in range(20)}
     assert len(others) > 1
+
+
+# --- on a GPU ------------------------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_rule_follows_the_target_and_seeds_replay():
+    p, q = (t.cuda() for t in toy_pair())
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    drafts = torch.multinomial(q, ROWS, replacement=True, generator=gen)[:, None]
+    out, acc = rejection_sample(p.expand(ROWS, 2, VOCAB), drafts,
+                                torch.ones(ROWS, dtype=torch.long, device="cuda"),
+                                q.expand(ROWS, 1, VOCAB), generator=gen)
+    assert chi_square_p_value(out[:, 0].cpu(), p.cpu()) > P_VALUE_FLOOR
+    seeded = []
+    for neighbours in (0, 5):
+        rows = 1 + neighbours
+        gens = [torch.Generator(device="cuda").manual_seed(7)] + [None] * neighbours
+        o, a = rejection_sample(p.expand(rows, 3, VOCAB), torch.tensor([[4, 0]] * rows).cuda(),
+                                torch.full((rows,), 2, device="cuda"),
+                                q.expand(rows, 2, VOCAB), generators=gens, generator=gen)
+        seeded.append(o[0, :a[0] + 1].tolist())
+    assert seeded[0] == seeded[1]
