@@ -114,6 +114,9 @@ def test_speculation_under_preemption_and_chunked_prefill(stories_hf, spec, mode
     trace = llm.trace
     assert sum(len(r.preempted) for r in trace) > 0
     assert (mode == "swap") == any(r.swapped_out for r in trace)
+    assert any(r.num_recomputed_tokens for r in trace) == (mode == "recompute")
+    for r in trace:  # prefill work a preemption caused, never the verify rows' rollback
+        assert 0 <= r.num_recomputed_tokens <= r.num_prefill_tokens
     assert all(r.num_batched_tokens <= 32 for r in trace)
     assert any(r.num_prefill_tokens and any(r.num_draft_tokens_per_pos) for r in trace)
     assert llm.engine.spec_decode.stats.num_accepted_tokens > 0

@@ -192,6 +192,11 @@ class SpeculativeDecoding:
         record = self.engine.trace[-1]
         record.scheduled = [e._replace(num_computed_before=before[e.seq_id])
                             if e.seq_id in before else e for e in record.scheduled]
+        for s in spec:  # a verify row recomputes nothing (it is a decode), whatever the rollback
+            seq, after = s.seq, s.seq.num_computed_tokens
+            if seq.recompute_until:  # what the engine's formula counted from `after`
+                record.num_recomputed_tokens -= max(
+                    0, min(after, seq.recompute_until) - (after - s.num_new_tokens))
         drafts, hits = [0] * self.k, [0] * self.k
         for s, a in zip(spec, accepted):
             for i in range(len(s.spec_token_ids)):
