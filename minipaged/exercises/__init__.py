@@ -50,6 +50,7 @@ class Exercise:
 _BM = "tests/test_block_manager.py::"
 _SCHED = "tests/test_scheduler.py::"
 _SAMPLER = "tests/test_sampler.py::"
+_REJECTION = "tests/test_rejection_sampler.py::"  # all but the CUDA test (a skip grades nothing)
 
 EXERCISES: tuple[Exercise, ...] = (
     Exercise(
@@ -100,10 +101,24 @@ EXERCISES: tuple[Exercise, ...] = (
         summary="speculative decoding's rule: accept min(1, p/q), else draw from max(0, p - q)",
         targets=("minipaged.sampling.rejection_sampler:rejection_sample",
                  "minipaged.sampling.rejection_sampler:_correction_weights"),
-        tests=(
-            "tests/test_rejection_sampler.py",
-            "tests/test_spec_decode.py::test_ngram_greedy_equals_hf_for_k_1_to_5",
-        )),
+        tests=tuple(_REJECTION + t for t in (
+            "test_first_token_follows_target",
+            "test_second_token_follows_target_after_an_acceptance",
+            "test_bonus_token_follows_the_target_after_the_guesses",
+            "test_threshold_rejects_biased_rules",
+            "test_one_hot_rule_is_lossless_for_any_guess",
+            "test_ngram_guesses_follow_target",
+            "test_zero_residual_falls_back_to_target",
+            "test_greedy_accepts_while_argmax_agrees",
+            "test_greedy_ignores_draft_probs_and_randomness",
+            "test_mixed_greedy_and_sampled_rows",
+            "test_padding_is_never_accepted",
+            "test_padding_is_never_accepted_by_sampled_rows",
+            "test_row_without_proposals_samples_from_position_zero",
+            "test_no_speculation_at_all",
+            "test_shape_errors_name_the_argument",
+            "test_seeded_rows_replay_whatever_the_batch",
+        )) + ("tests/test_spec_decode.py::test_ngram_greedy_equals_hf_for_k_1_to_5",)),
     Exercise(
         name="online_softmax",
         lessons=("05_paged_attention_kernel",),
