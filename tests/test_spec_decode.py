@@ -264,6 +264,56 @@ def test_seeded_sampling_is_reproducible():
     assert tokens(llm.generate(prompts, other, use_tqdm=False)) != runs[0]
 
 
+# Chi-square critical values at p = 0.001, by degrees of freedom.
+CHI2_001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12}
+
+
+def chi2_homogeneity(a: list[int], b: list[int]) -> tuple[float, int]:
+    """Two-sample chi-square statistic over the categories both samples show, and its df."""
+    from collections import Counter
+    ca, cb = Counter(a), Counter(b)
+    cats = sorted(set(ca) | set(cb))
+    stat = 0.0
+    for c in cats:
+        total = ca[c] + cb[c]
+        for counts, n in ((ca, len(a)), (cb, len(b))):
+            expected = total * n / (len(a) + len(b))
+            stat += (counts[c] - expected) ** 2 / expected
+    return stat, len(cats) - 1
+
+
+def test_sampled_tokens_follow_the_target_distribution(monkeypatch):
+    """End to end: the token a verify step emits (after one proposal, the target's own argmax
+    as a draft, at temperature 0.8 and top_k 3) is distributed as the one a plain step
+    samples; a verification that skipped the request's temperature and top-k is caught by the
+    same test."""
+    import minipaged.spec_decode.verify as verify_module
+    spec = {"method": "draft_model", "model": "stories260K", "num_speculative_tokens": 1}
+    n = 1200
+
+    def second_tokens(config, seed0):
+        llm = LLM("stories260K", block_size=8, speculative_config=config)
+        params = [SamplingParams(temperature=0.8, top_k=3, max_tokens=3, seed=seed0 + i,
+                                 ignore_eos=True) for i in range(n)]
+        outs = llm.generate(["Once upon a time"] * n, params, use_tqdm=False)
+        drafts = llm.engine.spec_decode.stats.num_drafts if config else 0
+        ids = [o.outputs[0].token_ids for o in outs]
+        mode = max({t[0] for t in ids}, key=[t[0] for t in ids].count)  # one context for all
+        return [t[1] for t in ids if t[0] == mode], drafts
+
+    plain, _ = second_tokens(None, 10**6)
+    verified, drafts = second_tokens(spec, 0)
+    assert drafts >= n and len(verified) > n // 4
+    stat, df = chi2_homogeneity(verified, plain)
+    assert len(set(verified)) <= 3 and df >= 1 and stat < CHI2_001[df], (stat, df)
+    monkeypatch.setattr(verify_module, "target_probs",
+                        lambda logits, seqs: logits.float().softmax(dim=-1))  # biased: T = 1
+    biased, _ = second_tokens(spec, 0)
+    stat, df = chi2_homogeneity(biased, plain)
+    # outside top-k's support (which the target never samples), or rejected by the test
+    assert len(set(biased)) > 3 or stat > CHI2_001[df], (stat, df)
+
+
 def test_max_tokens_and_stops_are_never_passed():
     """The same requests with and without speculation end at the same token, for the same
     reason, with the same text (stops cut a step's accepted tokens where they apply)."""
