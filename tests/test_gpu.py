@@ -253,7 +253,7 @@ def test_spec_decode_draft_model_greedy_parity_on_gpu(tmp_path):
     expected = _greedy_hf(hf, prompts, 40)
     for draft, full in (("stories260K", True), (str(tmp_path / "tiny"), False)):
         llm = LLM("stories260K", device="cuda", block_size=16, num_blocks=40, max_model_len=256,
-                  max_num_batched_tokens=64,
+                  max_num_batched_tokens=64, max_num_seqs=32,
                   speculative_config={"method": "draft_model", "model": draft,
                                       "num_speculative_tokens": 3})
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40,
@@ -272,7 +272,7 @@ def test_spec_decode_seeded_sampling_reproducible_on_gpu():
               for i in range(8)]
     runs = []
     for _ in range(2):
-        llm = LLM("stories260K", device="cuda", gpu_memory_utilization=0.05,
+        llm = LLM("stories260K", device="cuda", gpu_memory_utilization=0.05, max_num_seqs=32,
                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})
         runs.append([o.outputs[0].token_ids
                      for o in llm.generate(prompts, params, use_tqdm=False)])
