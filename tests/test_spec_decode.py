@@ -123,6 +123,20 @@ def test_speculation_under_preemption_and_chunked_prefill(stories_hf, spec, mode
     assert llm.engine.block_manager.num_free_blocks == 24
 
 
+@pytest.mark.parametrize("budget, spec", [
+    (2, ngram(4)), (6, ngram(4)), (7, ngram(4)),
+    (6, {"method": "draft_model", "model": "stories260K", "num_speculative_tokens": 4})])
+def test_tiny_token_budgets_cut_proposals(stories_hf, budget, spec):
+    """A budget smaller than 1 + k: the proposals are cut to what is left, down to none (the
+    sequence then decodes its one token and still samples)."""
+    prompts = [[1] + [300, 301, 302, 303] * 3, [1] + [310, 311, 312] * 4, [1, 5, 6, 7, 5, 6]]
+    llm = LLM("stories260K", block_size=8, max_num_batched_tokens=budget,
+              speculative_config=spec)
+    outs = llm.generate(prompts, greedy(20), use_tqdm=False)
+    assert tokens(outs) == hf_greedy(stories_hf, prompts, 20)
+    assert all(r.num_batched_tokens <= budget for r in llm.trace)
+
+
 def test_gpu_ordered_inputs_verify_the_same(stories_hf):
     """The GPU runner's inputs (decodes first, longest context first, packed) on the CPU: the
     verify rows' k + 1 logits still come back in step order."""

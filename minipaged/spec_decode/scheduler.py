@@ -29,14 +29,15 @@ class SpecDecodeScheduler(Scheduler):
         for s in out.scheduled:
             seq = s.seq
             scheduled.add(seq.seq_id)
-            num_spec = s.num_new_tokens - seq.num_uncomputed_tokens  # what the budget left
-            if not seq.spec_token_ids or num_spec <= 0:
-                seq.spec_token_ids = []
+            if not seq.spec_token_ids:
                 continue
+            # A decode with proposals: its newest token, then what the budget left of them
+            # (maybe none). Either way a decode, and it samples.
+            num_spec = s.num_new_tokens - seq.num_uncomputed_tokens
             seq.spec_token_ids = seq.spec_token_ids[:num_spec]
             s.spec_token_ids = seq.spec_token_ids
-            s.is_prefill = False  # a decode that verifies proposals (the trace counts it so)
-            s.samples = True  # its newest token is in the step: it samples
+            s.is_prefill = False
+            s.samples = True
         for seq in self.running + out.preempted:
             if seq.seq_id not in scheduled:
                 seq.spec_token_ids = []
