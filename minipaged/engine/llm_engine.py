@@ -73,7 +73,8 @@ class LLMEngine:
             tp = start_tensor_parallel(config, self.source)  # the workers load their shards too
         self.model, self.model_config = load_model(self.source, self.dtype, self.device, self.backend,
                                                    max_positions=config.max_model_len, seed=config.seed,
-                                                   fused_ops=config.fused_ops, tp=tp)
+                                                   fused_ops=config.fused_ops, tp=tp,
+                                                   quantization=config.quantization)
         self.kv_config = self.model.config  # the KV heads this process holds: 1/N of them with TP
         self.tokenizer = load_tokenizer(self.source, config.tokenizer)
         self.eos_token_ids = self._eos_ids()
