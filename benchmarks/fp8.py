@@ -88,8 +88,8 @@ def run_side(model: str, quantization, args) -> dict:
 
 def format_table(rows: list[dict]) -> str:
     out = ["| model | weights | weight MB | output tok/s | elapsed s | "
-           "ITL p50 ms (batch) | one-stream ITL ms | one-stream weights GB/s | tok/s vs unquantized "
-           "| one-stream ITL vs unquantized |",
+           "ITL p50 ms (batch) | one-stream ITL ms | one-stream weights GB/s "
+           "| tok/s vs unquantized | one-stream ITL vs unquantized |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     base = {}
     for r in rows:
@@ -141,7 +141,8 @@ def main(argv=None) -> int:
         for quantization in (None, "fp8"):  # both sides, one after the other, in this run
             rows.append(run_side(model, quantization, args))
             print(f"{model} {quantization or args.dtype}: "
-                  f"{rows[-1]['tokens_per_sec']:,.0f} tok/s, one-stream ITL {rows[-1]['one_stream']['itl_ms']} ms", flush=True)
+                  f"{rows[-1]['tokens_per_sec']:,.0f} tok/s, "
+                  f"one-stream ITL {rows[-1]['one_stream']['itl_ms']} ms", flush=True)
             report = {"environment": bench.environment(), "command": "python benchmarks/fp8.py "
                       + " ".join(argv if argv is not None else sys.argv[1:]),
                       "settings": {k: v for k, v in vars(args).items()}, "rows": rows}
