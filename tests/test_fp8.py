@@ -217,3 +217,18 @@ def test_quantization_flag():
     assert engine_config_from_args(p.parse_args([])).quantization is None
     with pytest.raises(SystemExit):  # argparse's choices refuse the rest
         p.parse_args(["--quantization", "int4"])
+
+
+def test_bench_counts_fp8_weights_at_their_bytes(float_llm, fp8_llm):
+    """lessons/bench.py's bandwidth: weights read once per step, as stored (1 byte per fp8)."""
+    from types import SimpleNamespace
+
+    from minipaged.lessons import bench
+    wl = bench.Workload("none", [[1]], [0])  # no decode: no KV read
+    steps = [SimpleNamespace(num_batched_tokens=1)] * 1000
+    read = {name: bench.bandwidth(llm, wl, 1.0, steps)["approx_bytes_read_gb"] * 1e9 / 1000
+            for name, llm in (("float", float_llm), ("fp8", fp8_llm))}
+    stored = {name: sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+              for name, llm in (("float", float_llm), ("fp8", fp8_llm))}
+    assert read["fp8"] / read["float"] == pytest.approx(stored["fp8"] / stored["float"], rel=0.05)
+    assert stored["fp8"] < 0.5 * stored["float"]
