@@ -4,8 +4,8 @@
   cut by the shard loaders (the embedding with ids at the shard boundaries), on 2 processes;
 * safetensors shards read with get_slice equal the cut tensors; dummy weights shard the same way;
 * greedy tokens at tensor_parallel_size=2 equal N=1 and HF: stories260K under preemption and
-  chunked prefill with mixed-length concurrent prompts, random Llama / Qwen2 / Qwen3 in float64;
-* the teaching errors; a killed worker gives a clear error and no hang; workers stop with the
+  chunked prefill with mixed-length concurrent prompts, and under swap preemption, random Llama / Qwen2 / Qwen3 in float64;
+* the teaching errors; a killed worker, and one that raises, give a clear error and no hang; workers stop with the
   engine and when the driver dies.
 """
 import gc
@@ -177,6 +177,25 @@ def test_stories260k_tp2_equals_tp1_and_hf_under_preemption_and_chunked_prefill(
     assert outs == hf_greedy(stories_hf, prompts, lengths)
 
 
+def test_stories260k_tp2_swap_preemption_equals_tp1(stories_hf):
+    """preemption_mode='swap' with N = 2: every rank copies its shard of a victim's blocks to
+    its own CPU pool and back, in the step the driver's scheduler planned."""
+    prompts = random_prompts(16, 512, 2, 40, seed=11)
+    lengths = [8 + (5 * i) % 25 for i in range(len(prompts))]
+    kw = dict(block_size=8, num_blocks=20, max_model_len=128, enable_prefix_caching=False,
+              preemption_mode="swap")
+    llm = LLM("stories260K", tensor_parallel_size=2, **kw)
+    outs = [o.outputs[0].token_ids for o in
+            llm.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)]
+    swapped = sum(len(r.swapped_out or []) for r in llm.engine.trace)
+    del llm
+    gc.collect()
+    assert swapped > 0  # the workload did swap (the workers' copies were needed)
+    one = LLM("stories260K", **kw)
+    assert outs == [o.outputs[0].token_ids for o in
+                    one.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)]
+
+
 def _tiny_hf(family: str, path, vocab=96):
     """A random float64 model whose vocabulary splits two ways (helpers' has 97 words)."""
     from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
@@ -252,6 +271,29 @@ def test_killed_worker_gives_a_clear_error_not_a_hang():
         llm.generate(random_prompts(8, 512, 5, 40, seed=1), greedy(20), use_tqdm=False)
     assert time.monotonic() - t0 < 30
     with pytest.raises(RuntimeError, match="rank 1"):  # and again, at once
+        llm.generate("Once upon a time", greedy(4), use_tqdm=False)
+    del llm
+    gc.collect()
+    assert not dist.is_initialized()
+
+
+def test_worker_that_raises_is_named_with_its_traceback():
+    """A worker that raises (not killed): the driver's next step fails at once with that rank's
+    traceback quoted, every later call too, and nothing is left running."""
+    from minipaged.distributed.step_inputs import send_header
+    llm = LLM("stories260K", tensor_parallel_size=2)
+    llm.generate("Once upon a time", greedy(4), use_tqdm=False)
+    tp = llm.engine.model.tp
+    send_header(tp.cpu_group, 99)  # a message the worker's loop does not know: it raises
+    proc = tp.workers.procs[1]
+    proc.join(20)
+    assert proc.exitcode == 1  # it reported its error and exited
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)worker rank 1 .* raised:.*RuntimeError: "
+                                           r"unexpected message 99 from the driver"):
+        llm.generate(random_prompts(4, 512, 5, 20, seed=2), greedy(8), use_tqdm=False)
+    assert time.monotonic() - t0 < 30
+    with pytest.raises(RuntimeError, match="unexpected message 99"):  # and again, at once
         llm.generate("Once upon a time", greedy(4), use_tqdm=False)
     del llm
     gc.collect()

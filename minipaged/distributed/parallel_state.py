@@ -136,11 +136,6 @@ def check_tensor_parallel(config, model_config) -> None:
                 f"{model_config.num_key_value_heads}, intermediate_size="
                 f"{model_config.intermediate_size}, vocab_size={model_config.vocab_size}) runs "
                 f"with tensor_parallel_size in {fits}.")
-    if config.preemption_mode == "swap":
-        raise ValueError(
-            f"preemption_mode='swap' is not supported with tensor_parallel_size={n} yet (every "
-            f"rank would need its own CPU pool, moved in step with the driver's). Use "
-            f"preemption_mode='recompute', or tensor_parallel_size=1.")
     if config.is_cuda:
         count = torch.cuda.device_count()
         if launched_by_env():  # one GPU per process on each machine: LOCAL_RANK picks it

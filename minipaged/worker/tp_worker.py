@@ -7,7 +7,7 @@ all-reduces and the LM head's gather meet the workers' inside the forward; the l
 whole on the driver, which samples as on one device.
 
 Worker (ranks 1 .. N-1): `run_worker` loads its shard, allocates its KV cache (the driver's
-num_blocks, its 1/N of the KV heads), and then waits for a step, runs it, waits again, until the
+num_blocks, its 1/N of the KV heads) and its shard of the swap pool, and then waits for a step, runs it, waits again, until the
 driver says STOP. It never sees a sequence, the scheduler or the block manager.
 
 The runner inside either is the single-device one (`ModelRunner`, or `GPUModelRunner` with its
@@ -23,7 +23,9 @@ import torch
 from minipaged.distributed.parallel_state import TPGroup
 from minipaged.distributed.step_inputs import (STEP, STOP, StepInputs, broadcast_sizes,
                                                broadcast_step, recv_header, recv_step)
-from minipaged.worker.kv_cache import copy_blocks
+from minipaged.worker.kv_cache import copy_blocks, raw
+from minipaged.worker.swap import (allocate_cpu_cache, determine_num_cpu_blocks, swap_in_blocks,
+                                   swap_out_blocks)
 
 
 def single_device_runner(config, model, kv_cache, backend):
@@ -33,7 +35,9 @@ def single_device_runner(config, model, kv_cache, backend):
 
 def make_driver_runner(config, model, kv_cache, backend) -> "TPDriverRunner":
     tp = model.tp
-    broadcast_sizes(tp, kv_cache.shape[2])  # the workers size their KV caches from it
+    num_blocks = kv_cache.shape[2]  # (layers, 2, num_blocks, block_size, kv_heads, head_dim)
+    num_cpu_blocks = determine_num_cpu_blocks(config, raw(kv_cache)[:, :, 0].nbytes, num_blocks)
+    broadcast_sizes(tp, num_blocks, num_cpu_blocks)  # the workers size their caches from them
     return TPDriverRunner(single_device_runner(config, model, kv_cache, backend), tp)
 
 
@@ -66,7 +70,8 @@ class TPDriverRunner:
             copy_blocks(r.kv_cache, sched.blocks_to_copy)
             input_ids, positions, metadata, sample_rows = r.prepare_inputs(sched, *pending)
             broadcast_step(self.tp, StepInputs(input_ids, positions, metadata, sample_rows,
-                                               sched.blocks_to_copy))
+                                               sched.blocks_to_copy, sched.blocks_to_swap_out,
+                                               sched.blocks_to_swap_in))
             hidden = forward(r, input_ids, positions, metadata)
             return r.compute_logits(hidden, sample_rows)
         except RuntimeError as exc:  # a collective failed: was it a worker?
@@ -97,9 +102,10 @@ def run_worker(config, source, tp: TPGroup) -> None:
         # the driver sizes its cache from a profiled forward: run it alongside (collectives)
         from minipaged.worker.gpu_model_runner import profile_peak_memory
         profile_peak_memory(model, backend, model.config, config, kv_dtype, device)
-    (num_blocks,) = broadcast_sizes(tp, 0)
+    num_blocks, num_cpu_blocks = broadcast_sizes(tp, 0, 0)
     kv_cache = allocate_kv_cache(model.config, num_blocks, config.block_size, kv_dtype, device,
                                  head_major=config.kv_head_major)
+    cpu_cache = allocate_cpu_cache(kv_cache, num_cpu_blocks)  # its shard of the swap pool
     runner = single_device_runner(config, model, kv_cache, backend)
     with torch.inference_mode():
         while True:
@@ -109,6 +115,9 @@ def run_worker(config, source, tp: TPGroup) -> None:
             if header[0] != STEP:
                 raise RuntimeError(f"unexpected message {header[0]} from the driver")
             step = recv_step(tp, header, device, config.block_size)
+            # the driver's order: swap out, swap in (the engine, before the step), copy (CoW)
+            swap_out_blocks(kv_cache, cpu_cache, step.blocks_to_swap_out)
+            swap_in_blocks(cpu_cache, kv_cache, step.blocks_to_swap_in)
             copy_blocks(runner.kv_cache, step.blocks_to_copy)
             hidden = forward(runner, step.input_ids, step.positions, step.metadata)
             runner.compute_logits(hidden, step.sample_rows)  # its words' scores, to the driver
