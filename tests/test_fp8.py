@@ -166,6 +166,8 @@ def test_stories260k_fp8_agrees_with_float32(float_llm, fp8_llm):
     assert acc.mean_cosine > 0.998 and acc.min_cosine > 0.97, acc.summary()
     assert acc.top1_agreement >= 0.88, acc.summary()
     assert acc.max_abs_diff > 1e-3  # the weights did change
+    # where the top-1 token changes, float32 was nearly undecided (measured: 0.05 vs 0.72)
+    assert acc.gap_where(False) < 0.25 < acc.gap_where(True), acc.summary()
     side = greedy_side_by_side(float_llm, fp8_llm, max_tokens=40)
     first = side["first_difference"]
     assert first is None or first >= 8, side  # measured: the stories part at output token 16

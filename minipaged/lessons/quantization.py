@@ -57,6 +57,12 @@ class Fp8Accuracy:
     top1_agree: torch.Tensor  # (positions,) bool: the same most likely next token
     max_abs_diff: float  # the largest |logit difference| anywhere
     logit_range: float  # max - min of the reference logits, to read max_abs_diff against
+    reference_gap: torch.Tensor  # (positions,) reference's top-1 minus top-2 probability
+
+    def gap_where(self, agree: bool) -> float:
+        """The reference's median top-1 / top-2 probability gap where top-1 (dis)agrees."""
+        sel = self.top1_agree if agree else ~self.top1_agree
+        return float(self.reference_gap[sel].median()) if sel.any() else float("nan")
 
     @property
     def mean_cosine(self) -> float:
@@ -75,17 +81,21 @@ class Fp8Accuracy:
                 "min_cosine": round(self.min_cosine, 6),
                 "top1_agreement": round(self.top1_agreement, 4),
                 "max_abs_logit_diff": round(self.max_abs_diff, 4),
-                "reference_logit_range": round(self.logit_range, 3)}
+                "reference_logit_range": round(self.logit_range, 3),
+                "reference_gap_where_top1_agrees": round(self.gap_where(True), 4),
+                "reference_gap_where_top1_differs": round(self.gap_where(False), 4)}
 
 
 def fp8_accuracy(reference, quantized, text: str = FIXED_TEXT) -> Fp8Accuracy:
     """The two engines' logits at every position of `text` (tokenized by `reference`)."""
     ids = reference.get_tokenizer()(text)["input_ids"]
     ref, q = text_logits(reference, ids), text_logits(quantized, ids)
+    top2 = ref.softmax(-1).topk(2, dim=-1).values  # (positions, 2)
     return Fp8Accuracy(num_positions=len(ids), cosine=F.cosine_similarity(ref, q, dim=-1),
                        top1_agree=ref.argmax(-1) == q.argmax(-1),
                        max_abs_diff=float((ref - q).abs().max()),
-                       logit_range=float(ref.max() - ref.min()))
+                       logit_range=float(ref.max() - ref.min()),
+                       reference_gap=top2[:, 0] - top2[:, 1])
 
 
 def weight_error(reference, quantized) -> list[dict]:
