@@ -188,6 +188,8 @@ def quantize_model_fp8(model: nn.Module) -> nn.Module:
         for path in LINEAR_NAMES:
             parent_name, name = path.split(".")
             parent = getattr(layer, parent_name)
+            if hasattr(getattr(parent, name), "base_layer"):  # a LoRA layer wraps the linear one
+                parent, name = getattr(parent, name), "base_layer"
             setattr(parent, name, fp8_linear(getattr(parent, name)))
     model.quantization = "fp8"
     return model
