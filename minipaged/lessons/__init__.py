@@ -9,6 +9,8 @@
     bench.py          workloads and the side-by-side throughput runs (`minipaged bench`)
     tp.py             lesson 09's tensor-parallel shards and data-flow pictures
     tp_measure.py     lesson 09's gloo timings of one step (compute vs communication)
+    adapters.py       lesson 11's LoRA in torch: the layer drawn, loop vs gathered products
+    quantization.py   lesson 11's fp8 measurements: logits cosine, top-1 agreement, weight error
 
 None of it is on the engine's path: the engine never imports this package.
 """
