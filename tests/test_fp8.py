@@ -234,3 +234,9 @@ def test_bench_counts_fp8_weights_at_their_bytes(float_llm, fp8_llm):
               for name, llm in (("float", float_llm), ("fp8", fp8_llm))}
     assert read["fp8"] / read["float"] == pytest.approx(stored["fp8"] / stored["float"], rel=0.05)
     assert stored["fp8"] < 0.5 * stored["float"]
+
+
+def test_hf_baselines_refuse_quantized_dummy_weights(fp8_llm):
+    from minipaged.lessons import bench
+    with pytest.raises(ValueError, match="quantization='fp8'.*without --quantization"):
+        bench.hf_from_dummy(fp8_llm)

@@ -243,6 +243,10 @@ def environment() -> dict:
 def hf_from_dummy(llm):
     """An HF model with the same dummy weights, for baselines on presets."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    if llm.engine.config.quantization is not None:
+        raise ValueError(f"the HF baselines copy the engine's dummy weights, and with "
+                         f"quantization={llm.engine.config.quantization!r} those are quantized: "
+                         "run the HF backends without --quantization")
     src = llm.engine.source
     cfg = AutoConfig.for_model(**src.config)
     with torch.device(llm.engine.device):

@@ -57,7 +57,7 @@ def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     by max|row| / 448 and rounded to e4m3 (nearest, ties to even), so x ~ x_q * scale."""
     amax = x.abs().amax(dim=-1, keepdim=True).float()  # (rows, 1)
     scale = amax.clamp(min=AMAX_FLOOR) / FP8_MAX
-    x_q = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # clamp: rounding can pass 448
+    x_q = (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # clamp: rounding can pass 448
     return x_q, scale
 
 
