@@ -240,3 +240,21 @@ def test_hf_baselines_refuse_quantized_dummy_weights(fp8_llm):
     from minipaged.lessons import bench
     with pytest.raises(ValueError, match="quantization='fp8'.*without --quantization"):
         bench.hf_from_dummy(fp8_llm)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [64, 172, 1000])
+def test_triton_per_token_quant_equals_quantize_rowwise(dtype, hidden):
+    """fp8_triton.py's kernel (the CUDA layer's input quantization) under the interpreter: the
+    same scales and the same fp8 values (its e4m3 rounding is done by hand, nearest even)."""
+    from minipaged.models.quantization.fp8_triton import per_token_quant_fp8
+    g = torch.Generator().manual_seed(hidden)
+    x = torch.randn(7, hidden, generator=g) * torch.logspace(-3, 2, 7)[:, None]
+    x[2] = 0
+    x[3, :10] *= 1e-4  # values in e4m3's subnormal range after scaling
+    x = x.to(dtype)
+    want_q, want_s = quantize_rowwise(x)
+    got_q, got_s = per_token_quant_fp8(x)
+    assert got_q.dtype == torch.float8_e4m3fn and got_s.shape == (7, 1)
+    assert torch.equal(got_s, want_s)
+    assert torch.equal(got_q.float(), want_q.float())  # (the interpreter writes -0 as +0)

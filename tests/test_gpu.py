@@ -217,6 +217,22 @@ def test_scaled_mm_fp8_linear_equals_the_dequantizing_path(tokens):
     assert type(fp8_linear(odd)) is Fp8Linear
 
 
+def test_triton_per_token_quant_equals_torch_on_gpu():
+    """fp8_triton.py's kernel compiled for the GPU: quantize_rowwise's scales and fp8 values."""
+    from minipaged.models.quantization.fp8 import quantize_rowwise
+    from minipaged.models.quantization.fp8_triton import per_token_quant_fp8
+    g = torch.Generator().manual_seed(0)
+    for hidden in (64, 1024, 3072, 8192):
+        x = torch.randn(300, hidden, generator=g) * torch.logspace(-3, 2, 300)[:, None]
+        x[5] = 0
+        x[7, :10] *= 1e-4
+        x = x.to("cuda", torch.bfloat16)
+        want_q, want_s = quantize_rowwise(x)
+        got_q, got_s = per_token_quant_fp8(x)
+        assert torch.equal(got_s, want_s), hidden
+        assert torch.equal(got_q.float(), want_q.float()), hidden
+
+
 def test_stories260k_fp8_weights_with_cuda_graphs():
     """quantization="fp8" in bf16 on CUDA: _scaled_mm for q/k/v and o (64-wide), the fallback
     for the MLP (172-wide); decode replayed from CUDA graphs gives the eager tokens, and the story

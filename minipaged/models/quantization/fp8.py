@@ -19,7 +19,8 @@ applied on the way out). Two implementations of one layer, chosen once when it i
     Fp8Linear          the definition: both operands dequantized to fp32 and multiplied; the
                        CPU path (CI tests it), and the CUDA fallback for shapes _scaled_mm refuses
     ScaledMMFp8Linear  `torch._scaled_mm` on CUDA (compute capability 8.9+, bf16 activations,
-                       in and out features multiples of 16); same numbers to fp32 rounding
+                       in and out features multiples of 16), the input quantized by one Triton
+                       kernel (fp8_triton.py); same numbers to fp32 rounding
 
 What it keeps and loses: e4m3 has 3 mantissa bits, so rounding to it moves a value by at most
 2^-4 of itself (half a unit in the last place) while |value / scale| >= 2^-6, e4m3's smallest
@@ -118,10 +119,16 @@ class Fp8Linear(nn.Module):
 
 
 class ScaledMMFp8Linear(Fp8Linear):
-    """The same layer multiplied by `torch._scaled_mm` (CUDA, fp8 tensor cores)."""
+    """The same layer multiplied by `torch._scaled_mm` (CUDA, fp8 tensor cores), its input
+    quantized by one Triton kernel (fp8_triton.py: `quantize_rowwise`'s numbers in one pass)."""
+
+    def __init__(self, weight_q, weight_scale, bias):
+        super().__init__(weight_q, weight_scale, bias)
+        from minipaged.models.quantization.fp8_triton import per_token_quant_fp8
+        self.quantize_input = per_token_quant_fp8
 
     def fp8_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        x_q, x_scale = quantize_rowwise(x)  # (tokens, in) fp8, (tokens, 1) fp32
+        x_q, x_scale = self.quantize_input(x)  # (tokens, in) fp8, (tokens, 1) fp32
         return fp8_matmul_scaled_mm(x_q, x_scale, self.weight, self.weight_scale, x.dtype)
 
 
@@ -171,7 +178,7 @@ def _scaled_mm_runs(layer: ScaledMMFp8Linear) -> bool:
         x = torch.zeros(1, layer.in_features, dtype=torch.bfloat16, device=layer.weight.device)
         layer.fp8_matmul(x)
         return True
-    except RuntimeError as e:
+    except Exception as e:  # noqa: BLE001 (a refusal, or the quantize kernel failing to build)
         logger.warning("torch._scaled_mm refused a (%d -> %d) fp8 layer (%s); it runs "
                        "dequantized instead", layer.in_features, layer.out_features, e)
         return False
