@@ -21,13 +21,14 @@ The table prints both sides and fp8 / bf16 ratios; the weight bytes a decode ste
 parameters' real bytes: fp8 weights are one byte plus a 4-byte scale per row; embeddings, norms
 and the tied LM head stay bf16) and what the one-stream ITL makes of them in GB/s. Dummy
 weights throughout (random, fixed seed): the speed is the real architecture's, the text is
-noise. JSON: benchmarks/results/fp8_h200.json (--out).
+noise. JSON: benchmarks/results/fp8_h200.json ($OUT/fp8_h200.json when $OUT is set; --out).
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -125,8 +126,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stream-output-len", type=int, default=256)
     ap.add_argument("--tiny", action="store_true",
                     help="CPU: stories260K, float32 vs fp8, 8 requests of the cpu workload")
-    ap.add_argument("--out", default=None, help="JSON file (default: benchmarks/results/"
-                                                "fp8_h200.json, or fp8_cpu_tiny.json with --tiny)")
+    ap.add_argument("--out", default=None, help="JSON file (default: fp8_h200.json, or "
+                                                "fp8_cpu_tiny.json with --tiny, in $OUT or "
+                                                "benchmarks/results/)")
     args = ap.parse_args(argv)
     if args.tiny:
         torch.set_num_threads(1)
@@ -134,8 +136,8 @@ def main(argv=None) -> int:
         args.workload = "cpu"
         args.num_requests, args.temperature, args.block_size = args.num_requests or 8, 0.0, 16
         args.max_num_batched_tokens, args.stream_prompt_len, args.stream_output_len = 2048, 32, 64
-    out = Path(args.out or ROOT / "benchmarks" / "results" /
-               ("fp8_cpu_tiny.json" if args.tiny else "fp8_h200.json"))
+    results = Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results")
+    out = Path(args.out or results / ("fp8_cpu_tiny.json" if args.tiny else "fp8_h200.json"))
     rows = []
     for model in args.models.split(","):
         for quantization in (None, "fp8"):  # both sides, one after the other, in this run
