@@ -29,9 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from minipaged.lessons.sharing import (PREEMPTION_MODES, format_preemption,  # noqa: E402
-                               format_swap_copies, plot_preemption, preemption_experiment,
-                               preemption_workload, swap_copy_microbenchmark)
+from minipaged.lessons.preemption import (PREEMPTION_MODES, format_preemption,  # noqa: E402
+                                          format_swap_copies, plot_preemption,
+                                          preemption_experiment, preemption_workload,
+                                          swap_copy_microbenchmark)
 
 
 def main(argv=None):

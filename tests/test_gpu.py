@@ -259,3 +259,44 @@ def test_stories260k_fp8_weights_with_cuda_graphs():
               kv_cache_dtype="fp8", gpu_memory_utilization=0.05)
     out = llm.generate(prompts[:1], sp, use_tqdm=False)[0].outputs[0]
     assert out.text.startswith(", there was a little girl")
+
+
+def test_structured_outputs_on_gpu_with_a_qwen3_sized_vocabulary(tmp_path):
+    """Grammar masks on CUDA (the bitmask copied to the GPU, applied by xgrammar's Triton kernel)
+    over Qwen3's 151,936 ids: dummy Qwen3-0.6B with the benchmark's synthetic byte-level
+    tokenizer. Constrained rows end ("stop") in JSON of the schema; the unconstrained rows of the
+    same batch sample the first token they sample with no constraint anywhere (same shapes)."""
+    import json
+    import sys
+    from pathlib import Path
+    pytest.importorskip("xgrammar")
+    from minipaged.structured_output import StructuredOutputsParams
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from synthetic_tokenizer import write_synthetic_tokenizer
+
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()
+    folder = write_synthetic_tokenizer(tmp_path / "vocab")
+    llm = LLM("dummy:qwen3-0.6b", tokenizer=str(folder), device="cuda", dtype="bfloat16",
+              max_model_len=512, gpu_memory_utilization=0.2,
+              enable_prefix_caching=False)  # the second run prefills as the first
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "pet"],
+              "properties": {"ok": {"type": "boolean"},
+                             "n": {"type": "integer", "minimum": 1, "maximum": 9},
+                             "pet": {"enum": ["cat", "dog"]}}}
+    so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    prompts = _prompts(16, 151936, 5)
+    free = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    params = [SamplingParams(temperature=0, max_tokens=64,
+                             structured_outputs=so if i % 2 == 0 else None) for i in range(16)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for i, (o, f) in enumerate(zip(outs, free)):
+        c = o.outputs[0]
+        if i % 2:
+            assert c.token_ids[0] == f.outputs[0].token_ids[0]
+            continue
+        assert c.finish_reason == "stop", c.text
+        doc = json.loads(c.text)
+        assert sorted(doc) == ["n", "ok", "pet"] and isinstance(doc["ok"], bool)
+        assert doc["n"] in range(1, 10) and doc["pet"] in ("cat", "dog")

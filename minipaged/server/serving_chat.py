@@ -19,9 +19,9 @@ from minipaged.server.async_llm import RequestStream, TextPrompt
 from minipaged.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionRequest,
                                        ChatCompletionResponse, ChatResponseMessage,
                                        ChatTokenLogprob, TopLogprob, random_id)
-from minipaged.server.serving_engine import (OpenAIError, OpenAIServing, RequestFailed,
-                                             SSEResponse, check_text, finish_fields,
-                                             run_unless_disconnected, sse, stop_hold, text_delta)
+from minipaged.server.serving_engine import (OpenAIError, OpenAIServing, SSEResponse,
+                                             check_text, finish_fields, run_unless_disconnected,
+                                             stop_hold, text_delta)
 from minipaged.server.tool_parsers import ToolChoice
 
 
@@ -116,36 +116,22 @@ class OpenAIServingChat(OpenAIServing):
             choice["message"].setdefault("content", None)
         return JSONResponse(body)
 
-    async def _events(self, stream: RequestStream, req: ChatCompletionRequest, model: str,
-                      request_id: str, hold: int, include_usage: bool,
-                      tools: "ToolChoice") -> AsyncIterator[str]:
+    def _events(self, stream: RequestStream, req: ChatCompletionRequest, model: str,
+                request_id: str, hold: int, include_usage: bool,
+                tools: "ToolChoice") -> AsyncIterator[str]:
         head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": model}
         choices = self.choices(stream)
         parsers = {ch.index: self.reasoning_parser() if self.reasoning_parser else None
                    for ch in choices}
         streamers = {ch.index: tools.streamer() for ch in choices}
-        try:
-            for ch in choices:  # OpenAI's first chunk per choice carries the role
-                yield sse(head | {"choices": [{"index": ch.index, "logprobs": None,
-                                               "finish_reason": None, "delta": {
-                                                   "role": "assistant", "content": ""}}]})
-            async for state in stream:
-                if state.error is not None:
-                    raise RequestFailed(state.error)
-                for ch in choices:
-                    if ch.seq.request_id == state.request_id:
-                        chunk = self._chunk(ch, req, hold, parsers[ch.index],
-                                            streamers[ch.index])
-                        if chunk is not None:
-                            yield sse(head | {"choices": [chunk]})
-            if include_usage:
-                yield sse(head | {"choices": [], "usage": self.usage(stream).model_dump()})
-        except Exception as e:  # the engine died or the server is shutting down
-            yield self.stream_error(e)
-        finally:
-            stream.abort()
-        yield "data: [DONE]\n\n"
+        # OpenAI's first chunk per choice carries the role
+        first = [{"index": ch.index, "logprobs": None, "finish_reason": None,
+                  "delta": {"role": "assistant", "content": ""}} for ch in choices]
+        return self.stream_events(
+            stream, head, choices,
+            lambda ch: self._chunk(ch, req, hold, parsers[ch.index], streamers[ch.index]),
+            include_usage, first)
 
     @staticmethod
     def _chunk(ch, req: ChatCompletionRequest, hold: int, parser, tools) -> Optional[dict]:

@@ -12,10 +12,9 @@ from minipaged.engine.sequence import Sequence
 from minipaged.server.async_llm import RequestStream
 from minipaged.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                        CompletionResponse, random_id)
-from minipaged.server.serving_engine import (OpenAIError, OpenAIServing, RequestFailed, SSEResponse,
-                                             check_text,
-                                             finish_fields, run_unless_disconnected, sse,
-                                             stop_hold, text_delta)
+from minipaged.server.serving_engine import (OpenAIError, OpenAIServing, SSEResponse, check_text,
+                                             finish_fields, run_unless_disconnected, stop_hold,
+                                             text_delta)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -54,28 +53,12 @@ class OpenAIServingCompletion(OpenAIServing):
                                   usage=self.usage(stream))
         return JSONResponse(resp.model_dump(exclude_none=True))
 
-    async def _events(self, stream: RequestStream, req: CompletionRequest, model: str,
-                      request_id: str, hold: int, include_usage: bool) -> AsyncIterator[str]:
+    def _events(self, stream: RequestStream, req: CompletionRequest, model: str,
+                request_id: str, hold: int, include_usage: bool) -> AsyncIterator[str]:
         head = {"id": request_id, "object": "text_completion", "created": int(time.time()),
                 "model": model}
-        choices = self.choices(stream)
-        by_state = {id(state): [c for c in choices if c.seq.request_id == state.request_id]
-                    for state in stream.states}
-        try:
-            async for state in stream:
-                if state.error is not None:
-                    raise RequestFailed(state.error)
-                for ch in by_state[id(state)]:
-                    chunk = self._chunk(ch, req, hold)
-                    if chunk is not None:
-                        yield sse(head | {"choices": [chunk]})
-            if include_usage:
-                yield sse(head | {"choices": [], "usage": self.usage(stream).model_dump()})
-        except Exception as e:  # the engine died or the server is shutting down
-            yield self.stream_error(e)
-        finally:
-            stream.abort()
-        yield "data: [DONE]\n\n"
+        return self.stream_events(stream, head, self.choices(stream),
+                                  lambda ch: self._chunk(ch, req, hold), include_usage)
 
     @staticmethod
     def _chunk(ch, req: CompletionRequest, hold: int):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import Optional
+from typing import AsyncIterator, Callable, Optional, Sequence as Seq
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -255,6 +255,36 @@ class OpenAIServing:
         completion = sum(s.num_output_tokens for s in stream.states)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
                          total_tokens=prompt + completion)
+
+    async def stream_events(self, stream: RequestStream, head: dict, choices: list[Choice],
+                            chunk: Callable[[Choice], Optional[dict]], include_usage: bool,
+                            first: Seq[dict] = ()) -> AsyncIterator[str]:
+        """The server-sent events of one streamed response, for both endpoints: the choice
+        chunks `first` (chat's role chunks), then at every engine step that gave a request new
+        tokens, `chunk(choice)` for each of its choices (None: nothing to send yet); the usage
+        when asked for; an error event if the request failed, the engine died or the server is
+        shutting down; and `data: [DONE]`. Each event is `head` (id, object, created, model)
+        with its choices. Leaving early (a client gone) aborts what is unfinished."""
+        by_request: dict[str, list[Choice]] = {}
+        for ch in choices:
+            by_request.setdefault(ch.seq.request_id, []).append(ch)
+        try:
+            for body in first:
+                yield sse(head | {"choices": [body]})
+            async for state in stream:
+                if state.error is not None:
+                    raise RequestFailed(state.error)
+                for ch in by_request.get(state.request_id, ()):
+                    body = chunk(ch)
+                    if body is not None:
+                        yield sse(head | {"choices": [body]})
+            if include_usage:
+                yield sse(head | {"choices": [], "usage": self.usage(stream).model_dump()})
+        except Exception as e:  # the engine died or the server is shutting down
+            yield self.stream_error(e)
+        finally:
+            stream.abort()
+        yield "data: [DONE]\n\n"
 
     @staticmethod
     def stream_error(error: BaseException) -> str:
