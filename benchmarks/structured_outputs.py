@@ -7,8 +7,9 @@ ignored) runs three ways on one engine, one after the other (prefix caching off,
 prefills the same): no constraint; every row held to a JSON schema (an array of at least 1000
 person objects, so no grammar ends before max_tokens and each way generates as many tokens); and
 half the rows constrained. It prints output tokens/s of each and their ratio to the
-unconstrained run, and the host time `StructuredOutputManager.apply_masks` took per step (the
-matchers' `fill_next_token_bitmask` for each row plus one `apply_token_bitmask_inplace`).
+unconstrained run, and the host time `StructuredOutputManager.apply_masks` took per step (one
+batched fill of the constrained rows' bitmasks plus launching `apply_token_bitmask_inplace`; on
+CUDA the forward runs meanwhile). benchmarks/structured_mask_step.py times the fill alone.
 Writes benchmarks/results/structured_outputs_cpu_stories260k.json.
 
 On a GPU, with Qwen3-0.6B's shapes and its 151,936-token vocabulary (dummy weights):

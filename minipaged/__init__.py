@@ -10,9 +10,10 @@ from minipaged.config import EngineConfig
 from minipaged.engine.llm_engine import LLMEngine, RequestError
 from minipaged.llm import LLM
 from minipaged.engine.output import CompletionOutput, RequestOutput
+from minipaged.lora import LoRARequest
 from minipaged.sampling import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput",
            "CompletionOutput", "RequestError", "BeamSearchParams", "BeamSearchOutput",
-           "BeamSearchSequence"]
+           "BeamSearchSequence", "LoRARequest"]

@@ -106,6 +106,14 @@ class EngineConfig:
         1, "split every layer's weights and the KV heads across N processes (Megatron-style "
            "tensor parallelism on torch.distributed: gloo on the CPU, NCCL on GPUs; "
            "minipaged/distributed/)")
+    enable_lora: bool = _knob(
+        False, "serve LoRA adapters (PEFT folders) beside the base model: requests pick one "
+               "with a LoRARequest (server: the request's `model`) and different adapters share "
+               "a batch (minipaged/lora/)")
+    max_loras: int = _knob(
+        1, "adapters held on the device at once (weight slots, least recently used evicted) "
+           "and the most distinct adapters in one step; more wait (enable_lora)")
+    max_lora_rank: int = _knob(16, "largest adapter rank r the slots hold (enable_lora)")
 
     def validate(self) -> None:
         """Every field's type and range (validation.py): a ValueError that starts with the
@@ -147,6 +155,12 @@ class EngineConfig:
                           "scales. The KV cache's float8 is kv_cache_dtype='fp8')")
         check_int("max_logprobs", self.max_logprobs, lo=-1, note=" (-1: no limit)")
         check_int("tensor_parallel_size", self.tensor_parallel_size, lo=1)
+        check_bool("enable_lora", self.enable_lora)
+        check_int("max_loras", self.max_loras, lo=1)
+        check_int("max_lora_rank", self.max_lora_rank, lo=1, hi=512)
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError(f"enable_lora is not supported with tensor_parallel_size="
+                             f"{self.tensor_parallel_size} yet; use tensor_parallel_size=1")
 
     # --- every "auto", decided once --------------------------------------------------------
     def resolve(self, model_config) -> "EngineConfig":

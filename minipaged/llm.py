@@ -13,6 +13,10 @@ its scheduler, block manager and trace for the lessons.
 sharing its blocks), and `llm.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=32))`
 runs a beam search in the same engine (lesson 06).
 
+`LLM(..., enable_lora=True, max_loras=4)` serves PEFT LoRA adapters: `generate(prompts, params,
+lora_request=LoRARequest("name", 1, "path/to/adapter"))`, or a list with one per prompt (None:
+the base model); different adapters run in the same batch (minipaged/lora/).
+
 Bad input is refused before anything is queued (`RequestError`, naming the prompt). A request
 that fails while it runs raises `RequestError` too, once the call's other requests are aborted:
 the `LLM` is left holding nothing and serves the next call as before.
@@ -28,6 +32,7 @@ from minipaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, Bea
 from minipaged.config import EngineConfig, knob_docs
 from minipaged.engine.llm_engine import LLMEngine, RequestError
 from minipaged.engine.output import RequestOutput
+from minipaged.lora.request import LoRARequest
 from minipaged.sampling import SamplingParams
 
 PromptType = str | list[int] | dict
@@ -66,8 +71,13 @@ class LLM:
         return list(prompts)
 
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt (text, token ids, or {"prompt_token_ids": [...]})."""
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for every prompt (text, token ids, or {"prompt_token_ids": [...]}).
+
+        `lora_request`: one `LoRARequest` for every prompt, or a list of one per prompt (None:
+        the base model); needs `enable_lora=True`."""
         prompts = self._normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -76,7 +86,12 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params must be one SamplingParams or a list of one per "
                              f"prompt ({len(prompts)}), got a list of {len(params)}")
-        return self._run(self._add(prompts, params), use_tqdm)
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request must be one LoRARequest (or None) or a list of one "
+                             f"per prompt ({len(prompts)}), got a list of {len(loras)}")
+        return self._run(self._add(prompts, params, loras), use_tqdm)
 
     def beam_search(self, prompts, params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -99,7 +114,8 @@ class LLM:
             results.append(BeamSearchOutput(sequences=seqs))
         return results
 
-    def _add(self, prompts: list[PromptType], params: list) -> list[str]:
+    def _add(self, prompts: list[PromptType], params: list, loras: Optional[list] = None
+             ) -> list[str]:
         """Queue every prompt (validated first, so a bad one leaves the engine untouched)."""
         inputs = []
         for p in prompts:
@@ -109,9 +125,10 @@ class LLM:
         ids = [f"{next(self._counter)}" for _ in inputs]
         added = []
         try:
-            for i, (rid, prompt, sp) in enumerate(zip(ids, inputs, params)):
+            for i, (rid, prompt, sp, lora) in enumerate(zip(ids, inputs, params,
+                                                             loras or [None] * len(ids))):
                 try:
-                    self.engine.add_request(rid, prompt, sp)
+                    self.engine.add_request(rid, prompt, sp, lora_request=lora)
                 except RequestError as e:
                     raise RequestError(f"prompt {i}: {e}") from None
                 added.append(rid)
@@ -150,8 +167,11 @@ class LLM:
 
     def chat(self, messages, sampling_params: Optional[SamplingParams] = None,
              use_tqdm: bool = True, chat_template: Optional[str] = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Chat through the tokenizer's chat template (one conversation or a list of them)."""
+             add_generation_prompt: bool = True,
+             lora_request: LoRARequest | Seq[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
+        """Chat through the tokenizer's chat template (one conversation or a list of them);
+        `lora_request` as in `generate`."""
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
@@ -164,7 +184,8 @@ class LLM:
                    for c in conversations]
         # The template already holds BOS if the model wants one: tokenize without adding it again.
         token_ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
-        return self.generate([{"prompt_token_ids": t} for t in token_ids], sampling_params, use_tqdm)
+        return self.generate([{"prompt_token_ids": t} for t in token_ids], sampling_params,
+                             use_tqdm, lora_request=lora_request)
 
     @property
     def trace(self):

@@ -376,7 +376,7 @@ def test_freed_blocks_stay_cached_and_are_reused():
 
 
 def test_hash_collision_is_a_miss(monkeypatch):
-    monkeypatch.setattr(bm_module, "hash_block", lambda parent, tokens: 12345)
+    monkeypatch.setattr(bm_module, "hash_block", lambda parent, tokens, lora_int_id=0: 12345)
     bm = BlockManager(num_blocks=16, block_size=4)
     a = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9])
     run(bm, a)
@@ -391,6 +391,20 @@ def test_hash_collision_is_a_miss(monkeypatch):
     hits, num_cached = bm.get_computed_blocks(c)
     assert [h.block_id for h in hits] == bm.get_block_table(a)[:1] and num_cached == 4
     bm.check_invariants([a.seq_id, b.seq_id])
+
+
+def test_hash_collision_across_lora_adapters_is_a_miss(monkeypatch):
+    """Equal tokens under another adapter have other K/V: even a colliding hash is no hit."""
+    from minipaged.lora import LoRARequest
+    monkeypatch.setattr(bm_module, "hash_block", lambda parent, tokens, lora_int_id=0: 12345)
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    run(bm, a)
+    b = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    b.lora_request = LoRARequest("x", 1, "/x")
+    assert bm.get_computed_blocks(b) == ([], 0)
+    c = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9])  # the same adapter (none): a hit
+    assert bm.get_computed_blocks(c)[1] == 4
 
 
 def test_lru_eviction_order():

@@ -300,3 +300,98 @@ def test_structured_outputs_on_gpu_with_a_qwen3_sized_vocabulary(tmp_path):
         doc = json.loads(c.text)
         assert sorted(doc) == ["n", "ok", "pet"] and isinstance(doc["ok"], bool)
         assert doc["n"] in range(1, 10) and doc["pet"] in ("cat", "dog")
+
+
+def test_structured_outputs_async_scheduling_equals_sync_on_gpu(tmp_path):
+    """Constrained steps stay asynchronous on CUDA (the previous tokens read before the masks
+    are filled, the bitmask copied from pinned memory while the forward runs): the same tokens
+    as synchronous steps. Every row is held to an array that cannot end before max_tokens, so
+    both runs step the same batches."""
+    import gc
+    import sys
+    from pathlib import Path
+    pytest.importorskip("xgrammar")
+    from minipaged.structured_output import StructuredOutputsParams
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from structured_outputs import SCHEMA
+    from synthetic_tokenizer import write_synthetic_tokenizer
+
+    folder = write_synthetic_tokenizer(tmp_path / "vocab")
+    prompts = _prompts(32, 151936, 6)
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True,
+                        structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    res, in_flight = [], 0
+    for flag in (False, True):
+        gc.collect()
+        torch.cuda.empty_cache()
+        llm = LLM("dummy:qwen3-0.6b", tokenizer=str(folder), device="cuda", dtype="bfloat16",
+                  max_model_len=512, gpu_memory_utilization=0.2, enable_prefix_caching=False,
+                  async_scheduling=flag)
+        eng = llm.engine
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, sp)
+        outs = []
+        while eng.has_unfinished_requests():
+            outs += eng.step()
+            in_flight += flag and eng.async_scheduling.pending is not None
+        done = {o.request_id: o.outputs[0] for o in outs if o.finished}
+        res.append([done[str(i)].token_ids for i in range(len(prompts))])
+        assert all(done[str(i)].text.startswith("[") for i in range(len(prompts)))
+        del llm, eng
+    assert in_flight > 20
+    assert res[0] == res[1]
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_lora_adapters_on_gpu_equal_cpu_reference(tmp_path, enforce_eager):
+    """stories260K with three random adapters (no peft here: written by save_random_adapter)
+    and the base model mixed in one batch: the Triton shrink/expand on CUDA, with CUDA-graph
+    decode replays or without, gives the CPU torch reference's tokens (tests/test_lora.py
+    proves the CPU path equal to PEFT). max_loras=2 makes the third adapter evict one."""
+    import json
+
+    from minipaged import LoRARequest
+    from minipaged.lora.random_adapter import save_random_adapter
+    from minipaged.models.config import ModelConfig
+    cfg = ModelConfig.from_dict(json.load(open(resolve_builtin("stories260K") / "config.json")))
+    loras = [LoRARequest(f"a{i}", i + 1, save_random_adapter(
+        str(tmp_path / f"a{i}"), cfg, rank=r, lora_alpha=2 * r, seed=i, std=0.3,
+        use_rslora=i == 2)) for i, r in enumerate((8, 16, 4))]
+    prompts = _prompts(24, 512, 2)
+    per_prompt = [None if i % 4 == 3 else loras[i % 4] for i in range(len(prompts))]
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM("stories260K", device=device, enable_lora=True, max_loras=2, max_lora_rank=16,
+                  num_blocks=256, max_num_seqs=32, enforce_eager=enforce_eager)
+        if device == "cuda":
+            assert (llm.engine.model_runner.graph_runner is None) == enforce_eager
+            assert type(llm.engine.lora_manager.punica).__name__ == "TritonPunicaWrapper"
+        res = llm.generate(prompts, sp, use_tqdm=False, lora_request=per_prompt)
+        outs[device] = [o.outputs[0].token_ids for o in res]
+        base = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], sp, use_tqdm=False)]
+        assert base[3] == outs[device][3]  # the base model's row in the mixed batch
+        assert all(base[i] != outs[device][i] for i in range(3))  # the adapters change it
+        del llm
+    assert outs["cuda"] == outs["cpu"]
+
+
+def test_lora_triton_kernel_bf16_on_gpu():
+    """The tensor-core branch in bf16 (what the benchmark runs) against the fp32 reference of
+    the same bf16 inputs, with decode-sized and prefill-sized batches and Qwen3-0.6B's widths."""
+    from minipaged.lora import punica
+    from minipaged.lora.punica import TritonPunicaWrapper
+    g = torch.Generator().manual_seed(0)
+    for num_tokens, k, n, out in ((256, 1024, 48, 4096), (3000, 3072, 16, 1024)):
+        x = torch.randn(num_tokens, k, generator=g).bfloat16()
+        a = (torch.randn(4, n, k, generator=g) * 0.05).bfloat16()
+        b = (torch.randn(4, out, n, generator=g) * 0.05).bfloat16()
+        y = torch.randn(num_tokens, out, generator=g).bfloat16()
+        scaling = torch.rand(4, generator=g) + 0.5
+        token_lora = torch.randint(-1, 4, (num_tokens,), generator=g)
+        want = punica.add_lora(y.float(), x.float(), a.float(), b.float(), scaling, token_lora)
+        wrapper = TritonPunicaWrapper(4, 4096, torch.device("cuda"))
+        wrapper.update(token_lora.tolist())
+        wrapper.scaling.copy_(scaling)
+        got = wrapper.add_lora(y.cuda(), x.cuda(), a.cuda(), b.cuda())
+        torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=5e-2)

@@ -128,17 +128,19 @@ def _pressure_run(**cfg):
     return sos, outs, llm.trace
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_keeps_the_grammar_state(mode):
+@pytest.mark.parametrize("mode, async_scheduling", [("recompute", False), ("swap", False),
+                                                     ("recompute", True)])
+def test_preemption_keeps_the_grammar_state(mode, async_scheduling):
     _, ref, _ = _pressure_run(num_blocks=1024)
-    sos, outs, trace = _pressure_run(num_blocks=40, preemption_mode=mode)
+    sos, outs, trace = _pressure_run(num_blocks=40, preemption_mode=mode,
+                                     async_scheduling=async_scheduling)
     assert sum(len(r.preempted) for r in trace) > 0
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
     for so, o in zip(sos, outs):
         check_valid(so, o.outputs[0].text, o.outputs[0].finish_reason)
 
 
-def test_async_scheduling_falls_back_for_constrained_steps():
+def test_async_scheduling_gives_the_same_tokens_with_grammars():
     prompts = PROMPTS * 2
     params = ([SamplingParams(temperature=0, max_tokens=40)] * 4
               + [SamplingParams(temperature=0, max_tokens=300, structured_outputs=so)
@@ -149,6 +151,34 @@ def test_async_scheduling_falls_back_for_constrained_steps():
         res.append([o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                     use_tqdm=False)])
     assert res[0] == res[1]
+
+
+def test_async_scheduling_keeps_constrained_steps_in_flight():
+    llm = LLM("stories260K", block_size=8, seed=1, device="cpu", async_scheduling=True)
+    eng = llm.engine
+    for i, so in enumerate(constraints()[:4]):
+        eng.add_request(str(i), PROMPTS[i], SamplingParams(temperature=0, max_tokens=300,
+                                                           structured_outputs=so))
+    in_flight = 0
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+        in_flight += eng.async_scheduling.pending is not None
+    assert in_flight > 10  # steps whose tokens were read a step late, every row constrained
+    done = {o.request_id: o.outputs[0] for o in outs if o.finished}
+    for i, so in enumerate(constraints()[:4]):
+        check_valid(so, done[str(i)].text, done[str(i)].finish_reason)
+
+
+def test_a_finished_row_is_not_masked(llm):
+    from minipaged.engine.sequence import Sequence, SequenceStatus
+    mgr = llm.engine.structured_output
+    params = SamplingParams(structured_outputs=SO(choice=CHOICES))
+    ok, failed = (Sequence(request_id=r, prompt_token_ids=[1], sampling_params=params)
+                  for r in ("ok", "failed"))
+    failed.append_token(llm.engine.tokenizer.eos_token_id)  # one its grammar refuses first
+    failed.status = SequenceStatus.FINISHED_ERROR
+    assert mgr.fill_bitmask([failed, ok]) == [1]
 
 
 @pytest.mark.parametrize("kw, match", [

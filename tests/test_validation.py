@@ -172,6 +172,9 @@ CONFIG_FIELDS = {
                      bad_choices(QUANTIZATION_METHODS, none_ok=True)),
     "max_logprobs": (ints(-1, BIG), bad_ints(-1)),
     "tensor_parallel_size": (ints(1, 1024), bad_ints(1)),
+    "enable_lora": (st.booleans(), bad_bools()),
+    "max_loras": (ints(1, BIG), bad_ints(1)),
+    "max_lora_rank": (ints(1, 512), bad_ints(1, 512)),
 }
 
 BEAM_BASE = dict(beam_width=2, max_tokens=4)

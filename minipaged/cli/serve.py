@@ -5,6 +5,7 @@ explains it.
     minipaged serve stories260K --served-model-name tiny --api-key secret --host 0.0.0.0
     minipaged serve dummy:qwen3-0.6b --max-model-len 4096 --gpu-memory-utilization 0.9
     minipaged serve --config serve.yaml --port 9000        flags from a YAML file, one overridden
+    minipaged serve stories260K --enable-lora --lora-modules sql=/path/to/adapter   + adapters
 
 The flags are vLLM's names (the underscore spellings work too: `--api_key`, `--max_model_len`),
 so a course note's `vllm serve` line works as it is. vLLM flags that do not apply here are
@@ -57,6 +58,45 @@ def parse_origins(text: str) -> list[str]:
     return [o.strip() for o in text.split(",") if o.strip()]
 
 
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """`--lora-modules`: name=path, or vLLM's JSON form '{"name": ..., "path": ...}'."""
+    if text.strip().startswith("{"):
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON object ({e})") from None
+        if not isinstance(spec, dict) or not all(isinstance(spec.get(k), str)
+                                                 for k in ("name", "path")):
+            raise argparse.ArgumentTypeError('a JSON object with string "name" and "path", '
+                                             'e.g. \'{"name": "sql", "path": "/adapters/sql"}\'')
+        return spec["name"], spec["path"]
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected name=path (or a JSON object)")
+    return name, path
+
+
+def lora_requests_from_args(a, config, served_names: list[str]):
+    """The `--lora-modules` adapters as LoRARequests (ids 1, 2, ...), their folders checked."""
+    from minipaged.lora.adapter import read_adapter_config
+    from minipaged.lora.request import LoRARequest
+    modules = a.lora_modules or []
+    if modules and not config.enable_lora:
+        raise CLIError("--lora-modules needs --enable-lora (the engine builds its adapter slots "
+                       "only then)")
+    requests = []
+    for i, (name, path) in enumerate(modules):
+        if name in served_names or name in [r.lora_name for r in requests]:
+            raise CLIError(f"--lora-modules: the name {name!r} is used twice (served model "
+                           f"names: {', '.join(served_names)}); give each adapter its own name")
+        try:
+            read_adapter_config(path, name)
+        except ValueError as e:
+            raise CLIError(f"--lora-modules: {e}") from None
+        requests.append(LoRARequest(name, i + 1, path))
+    return requests
+
+
 def make_parser() -> FlexibleArgumentParser:
     p = FlexibleArgumentParser(prog="minipaged serve", description=DESCRIPTION)
     s = p.add_argument_group("server")
@@ -90,6 +130,10 @@ def make_parser() -> FlexibleArgumentParser:
                         '--tool-call-parser)')
     s.add_argument("--tool-call-parser", default=None, choices=["hermes"],
                    help="how tool calls look in the text: hermes = <tool_call>{...}</tool_call>")
+    s.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None,
+                   metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) a request picks by its `model`: name=path "
+                        "or JSON '{\"name\": ..., \"path\": ...}'; needs --enable-lora")
     s.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="how much uvicorn logs")
@@ -181,6 +225,7 @@ def build_app_from_args(a: argparse.Namespace, in_process: bool = False, config=
     template = load_chat_template(a.chat_template)
     names = a.served_model_name or [a.model]
     config = config or engine_config_from_args(a)
+    loras = lora_requests_from_args(a, config, names)
     if config.max_trace_len is None:  # a server runs for days: keep the newest steps only
         config = dataclasses.replace(config, max_trace_len=10_000)
     try:
@@ -190,7 +235,8 @@ def build_app_from_args(a: argparse.Namespace, in_process: bool = False, config=
     root = llm.info["model_path"] or a.model
     app = build_app(llm, names, api_key=a.api_key, chat_template=template,
                     reasoning_parser=parser, model_root=root,
-                    max_request_body_bytes=a.max_request_body_bytes, tool_parser=tools)
+                    max_request_body_bytes=a.max_request_body_bytes, tool_parser=tools,
+                    lora_requests=loras)
     if a.allowed_origins:  # outermost, so browsers' preflight OPTIONS need no API key
         from fastapi.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=a.allowed_origins,
@@ -218,6 +264,10 @@ def banner(a, app, port: Optional[int] = None) -> str:
         f"  OpenAI API: {url}/v1   Swagger UI: {url}/docs   metrics: {url}/metrics",
         f"  API key: {key};  chat template: {template}",
     ]
+    loras = app.state.chat.lora_requests
+    if loras:
+        lines.append(f"  LoRA adapters (request `model`): {', '.join(loras)}; {cfg.max_loras} on "
+                     f"the device at once, rank <= {cfg.max_lora_rank}")
     if a.root_path:
         lines.append(f"  behind a proxy at {a.root_path}: clients use <proxy>{a.root_path}/v1")
     if a.allowed_origins:
@@ -278,6 +328,7 @@ def serve(argv: list[str]) -> int:
     check_tool_flags(a)
     load_chat_template(a.chat_template)  # a missing template file, before the load too
     config = engine_config_from_args(a)  # values and device checked; the model is not loaded
+    lora_requests_from_args(a, config, a.served_model_name or [a.model])  # adapter folders too
     with bind_socket(a.host, a.port) as sock:  # a busy port fails here, before the load
         app = build_app_from_args(a, config=config)
         import uvicorn

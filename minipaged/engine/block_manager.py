@@ -17,6 +17,8 @@ Two layers, following vLLM's names:
 
 A block's hash is `hash((parent_block_hash, token_ids_of_this_block))`, so equal hashes mean equal
 *prefixes*, not just equal blocks; token ids are compared on every hit to rule out collisions.
+A sequence with a LoRA adapter mixes its `lora_int_id` into every hash (and the hit check): the
+same tokens under another adapter (or none) have other K/V, so they never share a block.
 
 Swapping (lesson 06, `preemption_mode="swap"`): a second `BlockAllocator` owns the blocks of a
 CPU pool. `swap_out` moves a group of sequences' tables there (a block shared inside the group
@@ -44,6 +46,7 @@ class Block:
     ref_count: int = 0
     block_hash: Optional[int] = None  # set once the block is full and its K/V are written
     token_ids: tuple[int, ...] = ()  # the tokens a hashed block holds, to verify cache hits
+    lora_int_id: int = 0  # ... and the LoRA adapter they were computed with (0: none)
 
 
 class BlockAllocator:
@@ -98,21 +101,25 @@ class BlockAllocator:
                 self.num_cached_free += 1
 
     # --- prefix cache -----------------------------------------------------------------------
-    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> Optional[Block]:
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...],
+               lora_int_id: int = 0) -> Optional[Block]:
         block_id = self.hash_to_block.get(block_hash)
         if block_id is None:
             return None
         block = self.blocks[block_id]
-        return block if block.token_ids == token_ids else None  # a hash collision is a miss
+        if block.token_ids != token_ids or block.lora_int_id != lora_int_id:
+            return None  # a hash collision is a miss
+        return block
 
-    def register(self, block: Block, block_hash: int, token_ids: tuple[int, ...]) -> None:
+    def register(self, block: Block, block_hash: int, token_ids: tuple[int, ...],
+                 lora_int_id: int = 0) -> None:
         """Publish a full, written block to the prefix cache (first writer wins)."""
         if not self.enable_prefix_caching or block.block_hash is not None:
             return
         if block_hash in self.hash_to_block:
             return  # another block already caches this prefix
         block.block_hash = block_hash
-        block.token_ids = token_ids
+        block.token_ids, block.lora_int_id = token_ids, lora_int_id
         self.hash_to_block[block_hash] = block.block_id
 
     def _drop_hash(self, block: Block) -> None:
@@ -122,9 +129,11 @@ class BlockAllocator:
         block.token_ids = ()
 
 
-def hash_block(parent_hash: Optional[int], token_ids: tuple[int, ...]) -> int:
-    """Prefix-aware block hash: equal hashes mean equal token prefixes up to this block."""
-    return hash((parent_hash, token_ids))
+def hash_block(parent_hash: Optional[int], token_ids: tuple[int, ...],
+               lora_int_id: int = 0) -> int:
+    """Prefix-aware block hash: equal hashes mean equal token prefixes up to this block, computed
+    with the same LoRA adapter (0: none), so blocks are never shared across adapters."""
+    return hash((parent_hash, token_ids, lora_int_id) if lora_int_id else (parent_hash, token_ids))
 
 
 def _move(table: list[int], src: BlockAllocator, dst: BlockAllocator,
@@ -212,8 +221,8 @@ class BlockManager:
         parent: Optional[int] = None
         for start in range(0, len(tokens) - 1 - bs + 1, bs):  # only blocks inside tokens[:-1]
             chunk = tuple(tokens[start:start + bs])
-            h = hash_block(parent, chunk)
-            block = self.allocator.lookup(h, chunk)
+            h = hash_block(parent, chunk, seq.lora_int_id)
+            block = self.allocator.lookup(h, chunk, seq.lora_int_id)
             if block is None:
                 break
             hits.append(block)
@@ -317,9 +326,9 @@ class BlockManager:
         num_full = min(known // bs, len(table))
         for i in range(len(hashes), num_full):
             chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = hash_block(hashes[-1] if hashes else None, chunk)
+            h = hash_block(hashes[-1] if hashes else None, chunk, seq.lora_int_id)
             hashes.append(h)
-            self.allocator.register(self.allocator.blocks[table[i]], h, chunk)
+            self.allocator.register(self.allocator.blocks[table[i]], h, chunk, seq.lora_int_id)
 
     # --- sharing and release ----------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -396,7 +405,8 @@ class BlockManager:
             self.num_block_refs += len(table)
             bs = self.block_size
             for i, h in enumerate(self._hashes[s.seq_id]):
-                a.register(a.blocks[table[i]], h, tuple(s.token_ids[i * bs:(i + 1) * bs]))
+                a.register(a.blocks[table[i]], h, tuple(s.token_ids[i * bs:(i + 1) * bs]),
+                           s.lora_int_id)
         return list(mapping.items())
 
     def get_block_table(self, seq: Sequence) -> list[int]:

@@ -22,7 +22,9 @@ This is the synchronous step. The GPU's fast paths are chosen once, when the eng
 (`EngineConfig.resolve`), and live in their own rooms: the worker (`worker/`) picks its input
 builder and CUDA graphs, the model its fused layers, and async scheduling
 (`worker/async_scheduling.py`) replaces `step` with a loop that plans step t+1 while the GPU runs
-step t. `LLM` (llm.py) loops `step()` for offline batches; the server loops it in the background.
+step t. With `enable_lora` the linear layers get adapter slots when the engine is built and the
+runner maps each step's tokens to them (minipaged/lora/). `LLM` (llm.py) loops `step()` for
+offline batches; the server loops it in the background.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ from minipaged.engine.processor import RequestError
 from minipaged.engine.scheduler import Scheduler, SchedulerOutput
 from minipaged.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.engine.trace import ScheduledEntry, StepRecord
+from minipaged.lora.request import LoRARequest
 from minipaged.models.config import ModelConfig, parse_dtype
 from minipaged.models.loader import load_model, load_tokenizer, resolve_model
 from minipaged.sampling import SamplerOutput, SamplingParams, Sampler
@@ -76,6 +79,14 @@ class LLMEngine:
                                                    fused_ops=config.fused_ops, tp=tp,
                                                    quantization=config.quantization)
         self.kv_config = self.model.config  # the KV heads this process holds: 1/N of them with TP
+        self.lora_manager = None
+        if config.enable_lora:  # adapter slots around the linear layers (minipaged/lora/)
+            from minipaged.lora.manager import LoRAModelManager
+            self.lora_manager = LoRAModelManager(
+                self.model, self.model_config, max_loras=config.max_loras,
+                max_lora_rank=config.max_lora_rank,
+                max_num_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+                device=self.device, dtype=self.dtype)
         self.tokenizer = load_tokenizer(self.source, config.tokenizer)
         self.eos_token_ids = self._eos_ids()
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
@@ -97,6 +108,8 @@ class LLMEngine:
         self.block_manager.enable_swap(num_cpu_blocks)
         self.scheduler = self.make_scheduler(Scheduler)
         self.model_runner = make_model_runner(config, self.model, self.kv_cache, self.backend)
+        if self.lora_manager is not None:  # maps each step's tokens to adapter slots first
+            self.model_runner = self.lora_manager.wrap_runner(self.model_runner)
         self.sampler = Sampler(seed=config.seed, eos_token_ids=self.eos_token_ids,
                                use_kernel=config.sampler_kernel)
         # Grammar masks for requests with structured_outputs (lesson 12); idle without them.
@@ -124,7 +137,8 @@ class LLMEngine:
         return cls(self.block_manager, max_num_seqs=cfg.max_num_seqs,
                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                    enable_chunked_prefill=cfg.enable_chunked_prefill,
-                   preemption_mode=cfg.preemption_mode, **extra)
+                   preemption_mode=cfg.preemption_mode,
+                   max_loras=cfg.max_loras if cfg.enable_lora else 0, **extra)
 
     def _eos_ids(self) -> list[int]:
         ids = list(self.model_config.eos_token_id)
@@ -148,8 +162,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: Optional[SamplingParams | BeamSearchParams] = None,
-                    arrival_time: Optional[float] = None) -> Sequence:
+                    arrival_time: Optional[float] = None,
+                    lora_request: Optional[LoRARequest] = None) -> Sequence:
         """Queue a request. Raises `RequestError` (and queues nothing) if it can never be served.
+
+        `lora_request` runs it with that LoRA adapter (needs `enable_lora`; the adapter is read
+        and checked here, once per `lora_int_id`).
 
         `BeamSearchParams` queue a beam search (what `LLM.beam_search` does); `SamplingParams`
         with `n > 1` queue n samples of one prompt.
@@ -164,6 +182,8 @@ class LLMEngine:
                 self.structured_output.compile(params.structured_outputs)
             except ValueError as e:
                 raise RequestError(f"{e} (request {request_id!r})") from None
+        if lora_request is not None:
+            self._check_lora(request_id, lora_request)
         text, token_ids = processor.prompt_token_ids(request_id, prompt, vocab, self.tokenize)
         max_len = self.config.max_model_len
         if len(token_ids) >= max_len:
@@ -185,7 +205,8 @@ class LLMEngine:
             if size > 1:
                 self._check_group_fits(request_id, size, "n", 0, all_resident=False)
         seq = Sequence(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
-                       prompt=text, arrival_time=arrival_time or time.time())
+                       prompt=text, arrival_time=arrival_time or time.time(),
+                       lora_request=lora_request)
         if size > 1 or beam is not None:
             seq.group = SequenceGroup(request_id, size, [seq], beam=beam)
             self.groups[request_id] = seq.group
@@ -194,6 +215,19 @@ class LLMEngine:
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def _check_lora(self, request_id: str, lora_request) -> None:
+        if not isinstance(lora_request, LoRARequest):
+            raise RequestError(f"request {request_id!r}: lora_request must be a LoRARequest, got "
+                               f"{type(lora_request).__name__}")
+        if self.lora_manager is None:
+            raise RequestError(f"request {request_id!r} asks for LoRA adapter "
+                               f"{lora_request.lora_name!r}, but the engine was built without "
+                               "adapters: pass enable_lora=True (--enable-lora)")
+        try:
+            self.lora_manager.add_adapter(lora_request)
+        except ValueError as e:
+            raise RequestError(f"request {request_id!r}: {e}") from None
 
     def _check_group_fits(self, request_id: str, size: int, knob: str, max_len: int,
                           all_resident: bool) -> None:

@@ -72,8 +72,11 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
-                 preemption_mode: str = "recompute"):
+                 preemption_mode: str = "recompute", max_loras: int = 0):
         self.block_manager = block_manager
+        # enable_lora: the most distinct adapters among running sequences (their weight slots);
+        # a waiting request whose adapter would be one too many waits (0: no adapters)
+        self.max_loras = max_loras
         self.preemption_mode = preemption_mode
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -173,13 +176,19 @@ class Scheduler:
         """Step 4: admit waiting sequences in arrival order while budget, seats and blocks last
         (a prompt longer than the budget is split with chunked prefill); returns the budget left."""
         bm = self.block_manager
+        skipped: list[Sequence] = []  # waiting for a LoRA slot; they keep their place
+        loras = self._running_loras()
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if not self._lora_fits(seq, loras):
+                skipped.append(self.waiting.popleft())
+                continue
             group = seq.group
             if group is not None and group.lockstep and group.forked:
                 used = self._admit_beams(group, out, budget)
                 if used is None:
                     break
+                loras.add(seq.lora_int_id)
                 budget -= used
                 continue
             if not self._has_seats(1 if group is None else self._seats(seq)):
@@ -195,11 +204,22 @@ class Scheduler:
             self.waiting.popleft()
             bm.allocate(seq, computed_blocks, n)
             self._enter_running(seq)
+            loras.add(seq.lora_int_id)
             out.scheduled.append(ScheduledSeq(seq, n, True,
                                               seq.num_computed_tokens + n == seq.num_tokens,
                                               num_cached))
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
         return budget
+
+    def _running_loras(self) -> set[int]:
+        return {s.lora_int_id for s in self.running} if self.max_loras else set()
+
+    def _lora_fits(self, seq: Sequence, loras: set[int]) -> bool:
+        """Its adapter is already running, or one more adapter still has a slot (vLLM: a request
+        over max_loras waits, the ones behind it may go). `loras`: the running ids (0: none)."""
+        lora_id = seq.lora_int_id
+        return not lora_id or lora_id in loras or len(loras - {0}) < self.max_loras
 
     def _admit_beams(self, group, out: SchedulerOutput, budget: int):
         """Readmit every waiting beam of a group at once, or none; returns the tokens scheduled.
@@ -234,6 +254,8 @@ class Scheduler:
         bm = self.block_manager
         while self.swapped:
             seqs = self.swapped[0]
+            if not self._lora_fits(seqs[0], self._running_loras()):
+                break
             if not self._has_seats(sum(self._seats(s) for s in seqs)):
                 break
             # Their blocks, plus room for this step's tokens (a new block or a copy-on-write each).

@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from minipaged.engine.beam_search import BeamSearchState
+    from minipaged.lora import LoRARequest
     from minipaged.sampling import Logprob, SamplingParams
 
 
@@ -84,6 +85,7 @@ class Sequence:
     group: Optional["SequenceGroup"] = field(default=None, repr=False)
     index: int = 0  # which of the group's samples (its CompletionOutput.index); beams: a counter
     recompute_until: int = 0  # tokens whose K/V a recompute preemption threw away (for the trace)
+    lora_request: Optional["LoRARequest"] = None  # the adapter it runs with (minipaged/lora/)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -103,6 +105,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id, 0 for the base model (prefix-cache key, scheduler's slot count)."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -1,7 +1,7 @@
 """The FastAPI application: routes, API-key check, limits, OpenAI-shaped errors. Lesson 07
 explains it.
 
-    GET  /v1/models             the served model name(s)                        (API key)
+    GET  /v1/models             the served model name(s) and LoRA adapters      (API key)
     POST /v1/completions        prompt -> text, or a server-sent event stream   (API key)
     POST /v1/chat/completions   messages -> reply, through the chat template    (API key)
     POST /tokenize, /detokenize text <-> token ids with the server's tokenizer  (API key)
@@ -130,13 +130,14 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], *,
               reasoning_parser: Optional[type[ThinkTagReasoningParser]] = None,
               model_root: Optional[str] = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              tool_parser=None) -> FastAPI:
+              tool_parser=None, lora_requests=()) -> FastAPI:
     """An app around an `AsyncLLM` (whose engine core is already running); it starts reading the
     core's outputs on startup and stops the core on shutdown. `app.state.llm` is the AsyncLLM."""
     args = (llm, served_model_names, chat_template, reasoning_parser)
-    completions = OpenAIServingCompletion(*args)
-    chat = OpenAIServingChat(*args, tool_parser=tool_parser)  # tool_parsers.py
-    tokenization = OpenAIServingTokenization(*args)
+    completions = OpenAIServingCompletion(*args, lora_requests=lora_requests)
+    chat = OpenAIServingChat(*args, tool_parser=tool_parser,  # tool_parsers.py
+                             lora_requests=lora_requests)
+    tokenization = OpenAIServingTokenization(*args, lora_requests=lora_requests)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -196,9 +197,11 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], *,
 
     @v1.get("/models", response_model=ModelList)
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=model_root,
-                                         max_model_len=completions.max_model_len)
-                               for name in served_model_names])
+        cards = [ModelCard(id=name, root=model_root, max_model_len=completions.max_model_len)
+                 for name in served_model_names]
+        cards += [ModelCard(id=r.lora_name, root=r.lora_path, parent=served_model_names[0],
+                            max_model_len=completions.max_model_len) for r in lora_requests]
+        return ModelList(data=cards)
 
     @v1.post("/completions", response_model=CompletionResponse,
              responses={200: {"content": {"text/event-stream": {}}}})

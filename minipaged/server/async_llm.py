@@ -36,6 +36,7 @@ from minipaged.engine.sequence import Sequence, SequenceStatus
 from minipaged.models.loader import load_tokenizer, resolve_model
 from minipaged.sampling import Logprob, SamplingParams
 from minipaged.server.engine_core import EngineCoreClient
+from minipaged.lora.request import LoRARequest
 from minipaged.server.messages import (AbortRequests, Accepted, AddRequest, Dead, RequestDelta,
                                        StepOutputs)
 from minipaged.server.metrics import Metrics
@@ -186,9 +187,11 @@ class AsyncLLM:
 
     # --- requests ---------------------------------------------------------------------------
     async def generate(self, prompts: list[PromptInput], params: SamplingParams,
-                       request_id: Optional[str] = None, stream: bool = True) -> RequestStream:
-        """One engine request per prompt, each with `params.n` samples. Returns once the core
-        has accepted them all; raises `RequestError` (nothing stays queued) if any is refused."""
+                       request_id: Optional[str] = None, stream: bool = True,
+                       lora_request: Optional[LoRARequest] = None) -> RequestStream:
+        """One engine request per prompt, each with `params.n` samples (and `lora_request`'s
+        adapter, if any). Returns once the core has accepted them all; raises `RequestError`
+        (nothing stays queued) if any is refused."""
         if self.draining:
             raise EngineDeadError("the server is shutting down and accepts no new requests")
         if not self.is_running:
@@ -211,7 +214,7 @@ class AsyncLLM:
                                  accepted=loop.create_future())
             out.states.append(state)
             self.requests[rid] = state
-            if not self.client.send(AddRequest(rid, ids, core_params, now)):
+            if not self.client.send(AddRequest(rid, ids, core_params, now, lora_request)):
                 self._die("the engine core is not listening")
                 raise EngineDeadError("the engine core stopped")
         if self.metrics is not None:

@@ -95,7 +95,8 @@ class EngineCore:
         try:
             params = SamplingParams(**msg.sampling_params)
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, params,
-                                    arrival_time=msg.arrival_time)
+                                    arrival_time=msg.arrival_time,
+                                    lora_request=msg.lora_request)
         except (ValueError, TypeError) as e:  # RequestError, or a field SamplingParams refuses
             self.rejected.append((msg.request_id, str(e)))
             return

@@ -19,12 +19,15 @@ from typing import Optional, Union
 
 import msgspec
 
+from minipaged.lora.request import LoRARequest
+
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: dict  # SamplingParams' fields (dataclasses.asdict), rebuilt and re-checked
     arrival_time: float
+    lora_request: Optional[LoRARequest] = None  # the adapter the request's `model` names
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

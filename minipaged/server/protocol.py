@@ -44,6 +44,7 @@ class ModelCard(OpenAIBaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "minipaged"
     root: Optional[str] = None
+    parent: Optional[str] = None  # a LoRA adapter's base model (vLLM's field)
     max_model_len: Optional[int] = None
 
 

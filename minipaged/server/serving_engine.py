@@ -22,13 +22,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import AsyncIterator, Callable, Optional, Sequence as Seq
+from typing import AsyncIterator, Callable, Iterable, Optional, Sequence as Seq
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minipaged.engine.llm_engine import RequestError
 from minipaged.engine.sequence import Sequence
+from minipaged.lora.request import LoRARequest
 from minipaged.sampling import SamplingParams
 from minipaged.server.async_llm import AsyncLLM, EngineDeadError, RequestState, RequestStream
 from minipaged.server.protocol import ErrorInfo, ErrorResponse, SamplingFields, UsageInfo
@@ -152,9 +153,11 @@ class OpenAIServing:
     def __init__(self, llm: AsyncLLM, served_model_names: list[str],
                  chat_template: Optional[str] = None,
                  reasoning_parser: Optional[type[ThinkTagReasoningParser]] = None,
-                 tool_parser=None):
+                 tool_parser=None, lora_requests: Iterable[LoRARequest] = ()):
         self.llm = llm
         self.served_model_names = served_model_names
+        # --lora-modules: the adapters a request's `model` may name, besides the base model
+        self.lora_requests = {r.lora_name: r for r in lora_requests}
         self.chat_template = chat_template
         self.reasoning_parser = reasoning_parser
         self.tool_parser = tool_parser  # --tool-call-parser with --enable-auto-tool-choice
@@ -174,11 +177,16 @@ class OpenAIServing:
     def model_name(self, requested: Optional[str]) -> str:
         if requested is None:
             return self.served_model_names[0]
-        if requested not in self.served_model_names:
+        if requested not in self.served_model_names and requested not in self.lora_requests:
+            names = [*self.served_model_names, *self.lora_requests]
             raise OpenAIError(f"The model `{requested}` does not exist. This server serves: "
-                              f"{', '.join(self.served_model_names)} (see GET /v1/models).",
+                              f"{', '.join(names)} (see GET /v1/models).",
                               404, param="model", code="model_not_found")
         return requested
+
+    def lora_request(self, model: str) -> Optional[LoRARequest]:
+        """The adapter a (checked) model name stands for; None for the base model."""
+        return self.lora_requests.get(model)
 
     def sampling_params(self, req: SamplingFields, *, max_tokens: Optional[int],
                         logprobs: Optional[int], logprobs_field: str,
@@ -217,9 +225,11 @@ class OpenAIServing:
                               else None) from None
 
     async def submit(self, prompts, params: SamplingParams, request_id: str,
-                     stream: bool) -> RequestStream:
+                     stream: bool, model: Optional[str] = None) -> RequestStream:
+        """Queue the prompts; `model` (a checked name) picks the LoRA adapter, if it is one."""
         try:
-            return await self.llm.generate(prompts, params, request_id, stream=stream)
+            return await self.llm.generate(prompts, params, request_id, stream=stream,
+                                           lora_request=self.lora_request(model))
         except RequestError as e:  # prompt too long, bad token ids, tokenizing took too long
             param = ("structured_outputs" if str(e).startswith("structured_outputs")
                      else "prompt" if "prompt" in str(e) else None)

@@ -4,15 +4,23 @@ bitmask per step (lesson 12).
     compile(request_id, params)    when a request is added: its grammar against this tokenizer's
                                    vocabulary (cached; a refusal is a RequestError)
     apply_masks(logits, seqs)      each step, before the sampler: one bit per token per
-                                   constrained row, filled by the rows' matchers, applied to the
-                                   logits in one call (disallowed tokens -> -inf)
+                                   constrained row, filled for all of them in one threaded
+                                   call, applied to the logits in one call (forbidden -> -inf)
     accept(seq)                    after a token is appended: advance the matcher; a grammar at
                                    its end finishes the request ("stop")
 
 The library is xgrammar (the README says why). A matcher is a pushdown automaton over the
-grammar; `fill_next_token_bitmask` writes, for its state, which of the vocabulary's tokens may
-come next, as int32 words of 32 tokens each, and `apply_token_bitmask_inplace` sets the logits of
-the others to -inf (a C++ loop on the CPU, a kernel on CUDA; no Python loop over the vocabulary).
+grammar; filling its bitmask writes, for its state, which of the vocabulary's tokens may come
+next, as int32 words of 32 tokens each, and `apply_token_bitmask_inplace` sets the logits of the
+others to -inf (a C++ loop on the CPU, a kernel on CUDA; no Python loop over the vocabulary).
+`BatchGrammarMatcher.batch_fill_next_token_bitmask` fills every constrained row in one call, on
+`max_threads` threads (its C++ loop, not Python's, walks the rows).
+
+The mask needs only tokens already read, not the logits, so it is filled on the CPU while the GPU
+still runs the step's forward: the engine calls `apply_masks` right after launching it, and
+nothing before the fill waits for the GPU. On CUDA the bitmask lives in pinned host memory and
+goes to the GPU with a non-blocking copy, queued behind the forward, as are the mask kernel and
+the sampler; the next fill waits for that copy only (an event), never for the GPU's other work.
 
 Matchers are kept beside the sequences, not in them, keyed by the `Sequence` object (weakly, so a
 finished sequence's matcher goes with it), and each remembers how many of its sequence's output
@@ -24,6 +32,7 @@ Rows without a constraint are not touched: a step with none costs one check per 
 """
 from __future__ import annotations
 
+import os
 import weakref
 from collections import OrderedDict
 from typing import Optional, Sequence as Seq
@@ -49,7 +58,8 @@ class _Matcher:
 
 class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int],
-                 max_num_seqs: int, cache_size: int = 128):
+                 max_num_seqs: int, cache_size: int = 128,
+                 max_threads: Optional[int] = None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's vocabulary)
         self.eos_token_ids = list(eos_token_ids)
@@ -58,7 +68,14 @@ class StructuredOutputManager:
         self._compiler = None  # built on the first constrained request (xgrammar's import: ~2 s)
         self._compiled: OrderedDict[tuple, object] = OrderedDict()
         self._matchers: weakref.WeakKeyDictionary[Sequence, _Matcher] = weakref.WeakKeyDictionary()
+        # threads for a batched fill: half the cores (xgrammar's own default), at most 8
+        self.max_threads = max_threads or max(1, min(8, (os.cpu_count() or 2) // 2))
+        self._batch = None  # xgrammar.BatchGrammarMatcher, with the first constrained row
+        # host buffers, pinned when the logits are on CUDA, reused each step
         self._bitmask: Optional[torch.Tensor] = None  # (max_num_seqs, ceil(vocab / 32)) int32
+        self._indices: Optional[torch.Tensor] = None  # (max_num_seqs,) int32: constrained rows
+        self._copied = None  # CUDA event: the last copy out of the host buffers is done
+        self._one_row: Optional[torch.Tensor] = None  # (1, ceil(vocab / 32)): has it ended?
 
     # --- when a request is added ------------------------------------------------------------
     def _xgr(self):
@@ -107,24 +124,54 @@ class StructuredOutputManager:
             st.num_accepted += 1
         return st
 
+    def fill_bitmask(self, seqs: Seq[Sequence], pin: bool = False) -> list[int]:
+        """Fill row i of the host bitmask for each constrained, unfinished `seqs[i]`; returns
+        those rows (the others' rows hold stale bits and are not applied)."""
+        rows = [i for i, s in enumerate(seqs)
+                if s.sampling_params.structured_outputs is not None and not s.is_finished]
+        if not rows:
+            return rows
+        xgr = self._xgr()
+        if self._bitmask is None or self._bitmask.shape[0] < len(seqs) or (
+                pin and not self._bitmask.is_pinned()):
+            n = max(self.max_num_seqs, len(seqs))
+            self._bitmask = xgr.allocate_token_bitmask(n, self.vocab_size)
+            self._indices = torch.zeros(n, dtype=torch.int32)
+            if pin:
+                self._bitmask = self._bitmask.pin_memory()
+                self._indices = self._indices.pin_memory()
+            self._copied = None
+        if self._batch is None:
+            self._batch = xgr.BatchGrammarMatcher(self.max_threads)
+        matchers = [self._state(seqs[i]).matcher for i in rows]
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copy has left these buffers
+        # (rows, ceil(vocab / 32)) int32: bit t of row i = token t allowed
+        self._batch.batch_fill_next_token_bitmask(matchers, self._bitmask, indices=rows)
+        return rows
+
     def apply_masks(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
         """Set to -inf, in each constrained row, the logits of the tokens its grammar forbids.
-        logits: (len(seqs), vocab). Returns the logits (the same tensor unless they had to be
-        widened to fp32 for the CPU kernel)."""
-        rows = [i for i, s in enumerate(seqs) if s.sampling_params.structured_outputs is not None]
+        logits: (len(seqs), vocab), possibly still being computed on the GPU. Returns the logits
+        (the same tensor unless they had to be widened to fp32 for the CPU kernel)."""
+        on_cuda = logits.device.type == "cuda"
+        rows = self.fill_bitmask(seqs, pin=on_cuda)
         if not rows:
             return logits
-        xgr = self._xgr()
-        if self._bitmask is None or self._bitmask.shape[0] < len(seqs):
-            self._bitmask = xgr.allocate_token_bitmask(max(self.max_num_seqs, len(seqs)),
-                                                       self.vocab_size)
-        bitmask = self._bitmask
-        for i in rows:  # (rows, ceil(vocab / 32)) int32: bit t of row i = token t allowed
-            self._state(seqs[i]).matcher.fill_next_token_bitmask(bitmask, i)
-        if logits.device.type == "cpu" and logits.dtype != torch.float32:
-            logits = logits.float()  # xgrammar's CPU kernel takes fp32
-        mask = bitmask[:len(seqs)].to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size, indices=rows)
+        import xgrammar as xgr
+        if not on_cuda:
+            if logits.dtype != torch.float32:
+                logits = logits.float()  # xgrammar's CPU kernel takes fp32
+            xgr.apply_token_bitmask_inplace(logits, self._bitmask, vocab_size=self.vocab_size,
+                                            indices=rows)
+            return logits
+        self._indices[:len(rows)] = torch.tensor(rows, dtype=torch.int32)
+        mask = self._bitmask[:len(seqs)].to(logits.device, non_blocking=True)
+        indices = self._indices[:len(rows)].to(logits.device, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size,
+                                        indices=indices)
         return logits
 
     def accept(self, seq: Sequence) -> Optional[SequenceStatus]:
@@ -142,7 +189,9 @@ class StructuredOutputManager:
 def _only_stop_tokens(mgr: StructuredOutputManager, matcher) -> bool:
     """True when the grammar has ended: its next mask allows stop tokens only."""
     import xgrammar as xgr
-    mask = xgr.allocate_token_bitmask(1, mgr.vocab_size)
+    if mgr._one_row is None:
+        mgr._one_row = xgr.allocate_token_bitmask(1, mgr.vocab_size)
+    mask = mgr._one_row
     matcher.fill_next_token_bitmask(mask, 0)
     words = mask[0].to(torch.int64) & 0xFFFFFFFF  # the int32 words as unsigned
     for t in mgr.eos_token_ids:

@@ -21,6 +21,12 @@ A sequence that turns out to have stopped (EOS, a stop string) has computed one 
 that token is dropped when it is read. Steps that need their tokens at once (logprobs,
 penalties, n > 1, beams) run synchronously, and so does a step whose sampler raised: there the
 engine finds the rows that raise and fails their requests alone (engine/failures.py).
+
+A step with grammar-constrained rows (structured_output/) stays asynchronous, one thing reordered:
+a row's mask needs its previous token, so that step reads the previous step's tokens *before* it
+samples (after launching the forward, so the reading and the mask fill run while the GPU
+computes), then fills and applies the masks and samples on the GPU as any step does. A row whose
+sequence stopped in that read is left unmasked; its token is dropped.
 """
 from __future__ import annotations
 
@@ -120,9 +126,7 @@ class AsyncScheduling:
         if self.engine.groups:
             return False
         # min_tokens bans EOS by the count of tokens the host holds: wait until it is past.
-        # A grammar's mask needs the token before it (structured_output/): those steps too.
         return not any(s.sampling_params.logprobs is not None or s.sampling_params.has_penalties
-                       or s.sampling_params.structured_outputs is not None
                        or 0 < s.sampling_params.min_tokens >= s.num_output_tokens
                        for s in sampling)
 
@@ -142,11 +146,18 @@ class AsyncScheduling:
         # The forward is queued on the GPU; nothing below waits for it until tokens are read.
         logits = eng.model_runner.execute(sched, self.pending)
         sampling = eng._computed(sched)
-        pending = self.sample(logits, sampling) if sampling and self.can_defer(sampling) else None
+        defer = bool(sampling) and self.can_defer(sampling)
+        outputs, finished = [], []
+        if defer and any(s.sampling_params.structured_outputs is not None for s in sampling):
+            # A grammar's mask needs the token before it: read the previous step's tokens
+            # first (the forward keeps running), so the matchers have them when masks are filled.
+            outputs, finished = self.read_pending()
+        pending = self.sample(logits, sampling) if defer else None
         if pending is not None:
             for seq in sampling:
                 eng.scheduler.token_sampled(seq)
-            outputs, finished = self.read_pending()  # the previous step's, while this one runs
+            more_outputs, more_finished = self.read_pending()  # while this step runs
+            outputs, finished = outputs + more_outputs, finished + more_finished
             # Sequences that stopped meanwhile need nothing from this step: if none is left,
             # there is nothing to read (has_unfinished_requests stays honest).
             if any(not s.is_finished for s in pending.seqs):
@@ -156,7 +167,8 @@ class AsyncScheduling:
                     eng.scheduler.token_read(seq)
             eng._record(sched, finished, t0)
             return outputs
-        outputs, finished = self.read_pending()  # this step needs every earlier token
+        earlier_outputs, earlier_finished = self.read_pending()  # this step needs them all
+        outputs, finished = outputs + earlier_outputs, finished + earlier_finished
         more_outputs, more_finished = eng._sample_and_process(logits, sampling)
         eng._record(sched, finished + more_finished, t0)
         return outputs + more_outputs
@@ -166,6 +178,7 @@ class AsyncScheduling:
         sampled again synchronously, where a row that raises fails alone (engine/failures.py)."""
         generators = failures.save_generators(sampling)
         try:
+            logits = self.engine.structured_output.apply_masks(logits, sampling)  # grammar rows
             return PendingStep(sampling, self.engine.sampler.sample(logits, sampling))
         except Exception:
             failures.restore_generators(generators)  # the retry draws what this call drew

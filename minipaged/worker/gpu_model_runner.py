@@ -59,6 +59,11 @@ class GPUModelRunner(ModelRunner):
                                                 block_size=block_size, device=self.device)
             self.graph_runner.capture()
 
+    def step_order(self, sched: SchedulerOutput) -> list:
+        """Decodes first, then prefills, each longest context first (see the docstring)."""
+        return sorted(sched.scheduled, key=lambda s: (
+            s.num_new_tokens != 1, -(s.seq.num_computed_tokens + s.num_new_tokens)))
+
     def prepare_inputs(self, sched: SchedulerOutput, pending=None):
         """`ModelRunner.prepare_inputs`, ordered, packed and padded for the GPU. `pending`
         (async_scheduling.PendingStep): the previous step's tokens, not read by the host yet."""
@@ -72,8 +77,7 @@ class GPUModelRunner(ModelRunner):
         sample_row: dict[int, int] = {}  # id(entry) -> row of its last token
         from_gpu: list[int] = []  # input_ids index <- ...
         gpu_rows: list[int] = []  # ... row of pending.tokens
-        entries = sorted(sched.scheduled, key=lambda s: (s.num_new_tokens != 1,
-                                                         -(s.seq.num_computed_tokens + s.num_new_tokens)))
+        entries = self.step_order(sched)
         for s in entries:
             seq, n, table = s.seq, s.num_new_tokens, s.block_table
             start = seq.num_computed_tokens

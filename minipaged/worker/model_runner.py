@@ -37,6 +37,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = kv_cache.device
 
+    def step_order(self, sched: SchedulerOutput) -> list:
+        """The scheduled sequences in the order their tokens are laid out: the scheduler's."""
+        return sched.scheduled
+
     def prepare_inputs(self, sched: SchedulerOutput):
         """Flatten the step into tensors: (input_ids, positions, attn_metadata, sample_rows)."""
         bs = self.block_size

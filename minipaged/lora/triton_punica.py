@@ -1,0 +1,152 @@
+"""The shrink and expand of punica.py as Triton kernels: the CUDA path of multi-LoRA (lesson 11).
+
+punica.py gathers every token's A and B, which reads an adapter's weights once *per token*. Here
+the tokens are taken in slot order and cut into tiles of at most TILE_TOKENS tokens of one slot
+(PunicaWrapper.update), so a program reads a tile of its slot's weights once for all the tile's
+tokens and multiplies with `tl.dot` (punica's segmented SGMV, as vLLM's lora_shrink /
+lora_expand kernels do):
+
+    shrink   grid (tiles * n_blocks, SPLIT_K)
+             partial[split, rows, n] = x[rows, K_split] @ lora_a[slot, n, K_split].T
+    expand   grid (tiles * out_blocks,)
+             y[rows, out] += (sum_split partial[:, rows, :]) @ lora_b[slot, out, :].T
+                             * scaling[slot]
+
+`rows` are a tile's token indices, gathered from `sorted_token_ids`. The shrink splits its long
+reduction (the layer's input width) over SPLIT_K programs, each writing its own partial sums,
+which the expand adds up: a decode step has few tiles, and without the split a handful of
+programs would each walk the whole width. Tokens without an adapter are in no tile and are left
+untouched; unused tiles (slot -1) return at once. The grids depend only on the step's token count,
+and every per-step number is read from device buffers, so a decode step replays from a CUDA graph.
+Per the DESIGN notes: power-of-two tiles, indices widened to int64 before a stride multiply,
+tiles of at least 16 for `tl.dot` on a GPU; fp32 inputs are multiplied in full precision
+("ieee"), half-precision ones on the tensor cores with fp32 sums. On the CPU the kernels run
+under TRITON_INTERPRET=1 (set before this module is imported).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minipaged.lora.punica import TILE_TOKENS
+
+
+@triton.jit
+def _lora_shrink_kernel(x_ptr, a_ptr, t_ptr, sorted_ptr, tile_slot_ptr, tile_start_ptr,
+                        tile_len_ptr, N, K, K_PER_SPLIT, stride_xm, stride_al, stride_an,
+                        stride_ts, stride_tm,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        NUM_N_BLOCKS: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    tile = pid // NUM_N_BLOCKS
+    pid_n = pid % NUM_N_BLOCKS
+    slot = tl.load(tile_slot_ptr + tile)
+    if slot < 0:  # an unused tile
+        return
+    start = tl.load(tile_start_ptr + tile)
+    length = tl.load(tile_len_ptr + tile)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < length
+    rows = tl.load(sorted_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    a_base = a_ptr + slot.to(tl.int64) * stride_al
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_lo = split * K_PER_SPLIT
+    for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
+        a = tl.load(a_base + offs_n[None, :].to(tl.int64) * stride_an + offs_k[:, None],
+                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)  # (BLOCK_K, BLOCK_N)
+        if IEEE:
+            acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(x, a)
+    t_ptrs = t_ptr + split.to(tl.int64) * stride_ts + rows[:, None] * stride_tm + offs_n[None, :]
+    tl.store(t_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, scale_ptr, sorted_ptr, tile_slot_ptr,
+                        tile_start_ptr, tile_len_ptr, OUT, N, stride_ts, stride_tm, stride_bl,
+                        stride_bo, stride_ym,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        NUM_N_BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    tile = pid // NUM_N_BLOCKS
+    pid_n = pid % NUM_N_BLOCKS
+    slot = tl.load(tile_slot_ptr + tile)
+    if slot < 0:
+        return
+    start = tl.load(tile_start_ptr + tile)
+    length = tl.load(tile_len_ptr + tile)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < length
+    rows = tl.load(sorted_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
+    offs_o = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_o = offs_o < OUT
+    b_base = b_ptr + slot.to(tl.int64) * stride_bl
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, N, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < N
+        t_mask = mask_m[:, None] & mask_k[None, :]
+        t = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):  # the shrink's partial sums
+            t += tl.load(t_ptr + s * stride_ts + rows[:, None] * stride_tm + offs_k[None, :],
+                         mask=t_mask, other=0.0)  # (BLOCK_M, BLOCK_K)
+        b = tl.load(b_base + offs_o[None, :].to(tl.int64) * stride_bo + offs_k[:, None],
+                    mask=mask_k[:, None] & mask_o[None, :], other=0.0)  # (BLOCK_K, BLOCK_N)
+        if IEEE:
+            acc += tl.dot(t, b.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(t.to(b.dtype), b)
+    acc = acc * tl.load(scale_ptr + slot)
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_o[None, :]
+    mask = mask_m[:, None] & mask_o[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+
+
+def _pow2(n: int, lo: int = 16, hi: int = 64) -> int:
+    return max(lo, min(hi, triton.next_power_of_2(n)))
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+             scaling: torch.Tensor, sorted_token_ids: torch.Tensor, tile_slot: torch.Tensor,
+             tile_start: torch.Tensor, tile_len: torch.Tensor) -> torch.Tensor:
+    """punica.add_lora with the tokens given as tiles of one slot each: y += deltas in place.
+
+    x: (num_tokens, in); y: (num_tokens, out); lora_a: (max_loras, n, in); lora_b: (max_loras,
+    out, n), last dimensions contiguous; scaling: (max_loras,) fp32; the rest from
+    PunicaWrapper.update."""
+    num_tokens, k = x.shape
+    max_loras, n, _ = lora_a.shape
+    out = lora_b.shape[1]
+    if num_tokens == 0:
+        return y
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    ieee = x.dtype == torch.float32
+    # tiles that num_tokens tokens can make (PunicaWrapper.max_tiles for this step's length)
+    tiles = min(triton.cdiv(num_tokens, TILE_TOKENS) + min(max_loras, num_tokens),
+                tile_slot.shape[0])
+    bk = _pow2(k)
+    split_k = 1 if k < 512 else min(8, k // 256)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), bk) * bk
+    t = torch.empty(split_k, num_tokens, n, dtype=torch.float32, device=x.device)  # partials
+    bn = _pow2(n)
+    _lora_shrink_kernel[(tiles * triton.cdiv(n, bn), split_k)](
+        x, lora_a, t, sorted_token_ids, tile_slot, tile_start, tile_len, n, k, k_per_split,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), t.stride(0), t.stride(1),
+        BLOCK_M=TILE_TOKENS, BLOCK_N=bn, BLOCK_K=bk, NUM_N_BLOCKS=triton.cdiv(n, bn), IEEE=ieee)
+    bo, bk = _pow2(out, hi=128), _pow2(n)
+    _lora_expand_kernel[(tiles * triton.cdiv(out, bo),)](
+        t, lora_b, y, scaling, sorted_token_ids, tile_slot, tile_start, tile_len, out, n,
+        t.stride(0), t.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
+        BLOCK_M=TILE_TOKENS, BLOCK_N=bo, BLOCK_K=bk, NUM_N_BLOCKS=triton.cdiv(out, bo),
+        SPLIT_K=split_k, IEEE=ieee)
+    return y
