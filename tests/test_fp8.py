@@ -258,3 +258,29 @@ def test_triton_per_token_quant_equals_quantize_rowwise(dtype, hidden):
     assert got_q.dtype == torch.float8_e4m3fn and got_s.shape == (7, 1)
     assert torch.equal(got_s, want_s)
     assert torch.equal(got_q.float(), want_q.float())  # (the interpreter writes -0 as +0)
+
+
+def test_fp8_weights_with_lora_adapters(tmp_path):
+    """enable_lora wraps the fp8 layers (their float input feeds the adapters): an adapter's
+    greedy story under fp8 weights opens as it does under float32 weights, and differs from
+    the fp8 base model's."""
+    from minipaged import LoRARequest
+    from minipaged.lora.layers import LoRALinear
+    from minipaged.lora.random_adapter import save_random_adapter
+    from minipaged.models.config import ModelConfig
+    from minipaged.models.loader import resolve_model
+    cfg = ModelConfig.from_dict(resolve_model("stories260K").config)
+    path = save_random_adapter(str(tmp_path / "a"), cfg, rank=8, seed=3, std=0.02)
+    req = LoRARequest("a", 1, path)
+    params = SamplingParams(temperature=0.0, max_tokens=30)
+    outs = {}
+    for q in (None, "fp8"):
+        llm = LLM("stories260K", device="cpu", dtype="float32", enable_lora=True, max_loras=2,
+                  max_lora_rank=16, quantization=q)
+        qkv = llm.engine.model.model.layers[0].self_attn.qkv_proj
+        assert isinstance(qkv, LoRALinear)
+        assert isinstance(qkv.base_layer, Fp8Linear) == (q == "fp8")
+        outs[q] = [o.outputs[0].token_ids for o in llm.generate(
+            ["Once upon a time"] * 2, params, lora_request=[req, None], use_tqdm=False)]
+    assert outs["fp8"][0][:12] == outs[None][0][:12]
+    assert outs["fp8"][0] != outs["fp8"][1]  # the adapter changed the fp8 model's story

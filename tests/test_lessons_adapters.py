@@ -1,5 +1,6 @@
-"""Lesson 11's helpers and its graded exercise: minipaged/lessons/adapters.py (LoRA in torch),
-minipaged/lessons/quantization.py (text_logits), notebooks/11_adapters_and_quantization.ipynb."""
+"""Lesson 11's fp8 helper and its graded exercise: minipaged/lessons/quantization.py
+(text_logits), notebooks/11_adapters_and_quantization.ipynb. Its LoRA helpers (lessons/lora.py)
+are tested in tests/test_lora.py."""
 import json
 from pathlib import Path
 
@@ -11,32 +12,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from minipaged import LLM, SamplingParams  # noqa: E402
-from minipaged.lessons import adapters  # noqa: E402
 from minipaged.lessons.quantization import text_logits  # noqa: E402
 
 NOTEBOOK = (Path(__file__).resolve().parents[1] / "notebooks"
             / "11_adapters_and_quantization.ipynb")
-
-
-def _batch(n_adapters, tokens=24, d=32, rank=4, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x, w = torch.randn(tokens, d, generator=g), torch.randn(d + 8, d, generator=g)
-    a = torch.randn(n_adapters + 1, rank, d, generator=g)
-    b = torch.randn(n_adapters + 1, d + 8, rank, generator=g)
-    a[0], b[0] = 0, 0
-    idx = torch.randint(0, n_adapters + 1, (tokens,), generator=g)
-    return x, w, a, b, idx
-
-
-@pytest.mark.parametrize("n", [1, 3, 7])
-def test_loop_and_gathered_equal_each_tokens_own_lora(n):
-    x, w, a, b, idx = _batch(n)
-    want = torch.stack([adapters.lora_forward(x[t:t + 1], w, a[i], b[i], 0.5)[0]
-                        for t, i in enumerate(idx.tolist())])  # token by token, the definition
-    torch.testing.assert_close(adapters.loop_per_adapter(x, w, a, b, idx, 0.5), want)
-    torch.testing.assert_close(adapters.gathered(x, w, a, b, idx, 0.5), want)
-    base = idx == 0
-    torch.testing.assert_close(want[base], x[base] @ w.t())  # slot 0 adds nothing
 
 
 def test_text_logits_last_row_is_the_engines_next_token_and_leaves_its_cache_alone():

@@ -36,7 +36,8 @@ the logits the sampler reads are the place where 3 mantissa bits cost the most.
 With tensor parallelism each rank quantizes its own shard: column-parallel layers are plain
 `Fp8Linear`s of their rows, and `o_proj` / `down_proj` become `Fp8RowParallelLinear`, which
 all-reduces its partial sums. Scales are then per row of each rank's slice, so the numbers differ
-slightly from one device's.
+slightly from one device's. With `enable_lora` the engine wraps the fp8 layers afterwards
+(lora/manager.py): each adapter's shrink / expand reads the float activations beside them.
 """
 from __future__ import annotations
 
@@ -195,8 +196,6 @@ def quantize_model_fp8(model: nn.Module) -> nn.Module:
         for path in LINEAR_NAMES:
             parent_name, name = path.split(".")
             parent = getattr(layer, parent_name)
-            if hasattr(getattr(parent, name), "base_layer"):  # a LoRA layer wraps the linear one
-                parent, name = getattr(parent, name), "base_layer"
             setattr(parent, name, fp8_linear(getattr(parent, name)))
     model.quantization = "fp8"
     return model
