@@ -87,7 +87,8 @@ class EngineConfig:
     enforce_eager: bool = _knob(False, "never replay decode steps from CUDA graphs")
     async_scheduling: Optional[bool] = _knob(
         None, "plan and launch step t+1 while the GPU still runs step t, reading step t's tokens "
-              "one step late (worker/async_scheduling.py); auto: on for CUDA, off on the CPU")
+              "one step late (worker/async_scheduling.py); auto: on for CUDA, off on the CPU and "
+              "with speculative_config (a verify step needs its tokens at once)")
     kv_cache_dtype: str = _knob(
         "auto", "what the KV cache stores. auto: the model's dtype; fp8 (fp8_e4m3): float8 e4m3, "
                 "one byte per element, unscaled and clamped to +-448: twice the tokens per GiB, "
@@ -114,6 +115,12 @@ class EngineConfig:
         1, "adapters held on the device at once (weight slots, least recently used evicted) "
            "and the most distinct adapters in one step; more wait (enable_lora)")
     max_lora_rank: int = _knob(16, "largest adapter rank r the slots hold (enable_lora)")
+    speculative_config: Optional[dict] = _knob(
+        None, "speculative decoding (vLLM's dict; on the command line as JSON): "
+              "{\"method\": \"ngram\", \"num_speculative_tokens\": K, \"prompt_lookup_max\": M, "
+              "\"prompt_lookup_min\": 1} or {\"method\": \"draft_model\", \"model\": "
+              "PATH_OR_PRESET, \"num_speculative_tokens\": K}. Turns async scheduling off; "
+              "refuses n > 1 and beam search (minipaged/spec_decode/, lesson 10)")
 
     def validate(self) -> None:
         """Every field's type and range (validation.py): a ValueError that starts with the
@@ -161,6 +168,8 @@ class EngineConfig:
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError(f"enable_lora is not supported with tensor_parallel_size="
                              f"{self.tensor_parallel_size} yet; use tensor_parallel_size=1")
+        if self.speculative_config is not None:
+            self.speculative.check_engine(self)
 
     # --- every "auto", decided once --------------------------------------------------------
     def resolve(self, model_config) -> "EngineConfig":
@@ -192,14 +201,20 @@ class EngineConfig:
             fused = cuda and backend == "triton"
         from minipaged.worker.cpu_threads import resolve_cpu_threads
         threads = resolve_cpu_threads(self.cpu_threads, device, model_config.hidden_size)
+        async_scheduling = self.async_scheduling
+        if async_scheduling is None:  # speculation needs each step's tokens before the next
+            async_scheduling = cuda and self.speculative_config is None
         out = replace(self, device=device, dtype=dtype, attention_backend=backend, fused_ops=fused,
-                      cpu_threads=threads,
-                      async_scheduling=cuda if self.async_scheduling is None
-                      else self.async_scheduling)
+                      cpu_threads=threads, async_scheduling=async_scheduling)
         out._resolve_lengths(model_config.max_position_embeddings)
         if out.tensor_parallel_size > 1:  # heads, vocabulary and devices must split N ways
             from minipaged.distributed.parallel_state import check_tensor_parallel
             check_tensor_parallel(out, model_config)
+        spec = out.speculative
+        if spec is not None and spec.method == "draft_model":  # its vocabulary and length
+            from minipaged.spec_decode.draft_proposer import draft_model_config
+            from minipaged.spec_decode.config import check_draft_model
+            check_draft_model(draft_model_config(spec.model), model_config, out.max_model_len)
         return out
 
     def _resolve_lengths(self, max_position_embeddings: int) -> None:
@@ -221,6 +236,14 @@ class EngineConfig:
                 f"or set enable_chunked_prefill=True.")
 
     # Derived choices of a resolved config: not knobs of their own.
+    @property
+    def speculative(self):
+        """`speculative_config` checked and typed (spec_decode/config.py), or None."""
+        if self.speculative_config is None:
+            return None
+        from minipaged.spec_decode.config import SpeculativeConfig
+        return SpeculativeConfig.from_dict(self.speculative_config)
+
     @property
     def is_cuda(self) -> bool:
         return self.device.startswith("cuda")

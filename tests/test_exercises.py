@@ -1,4 +1,4 @@
-"""The build-it exercises (minipaged/exercises, lessons 02-06) and their graders.
+"""The build-it exercises (minipaged/exercises, lessons 02-06 and 10) and their graders.
 
 For every exercise: the skeleton has the real signatures and docstrings; `minipaged exercise
 check` fails every grader on the untouched skeleton, passes every grader on the solution (the
@@ -34,6 +34,7 @@ BUGS = {
     "scheduler": ("for seq in decodes + chunks:", "for seq in chunks + decodes:"),
     "top_k_top_p": ("(mass_before >= top_p[:, None])", "(mass_before > top_p[:, None])"),
     "online_softmax": ("acc = acc * alpha[..., None] + p @ v", "acc = acc + p @ v"),
+    "rejection_sampler": ("accept &= valid", "accept &= True"),  # padding counts as a guess
 }
 
 

@@ -395,3 +395,99 @@ def test_lora_triton_kernel_bf16_on_gpu():
         wrapper.scaling.copy_(scaling)
         got = wrapper.add_lora(y.cuda(), x.cuda(), a.cuda(), b.cuda())
         torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=5e-2)
+
+
+# --- speculative decoding (minipaged/spec_decode/, lesson 10) -----------------------------
+def _repetitive_prompts(n, seed):
+    """Half of them say a random phrase twice: prompt lookup finds the second half."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        body = [rng.randrange(3, 512) for _ in range(rng.randint(6, 60))]
+        out.append([1] + (body[:len(body) // 2] * 2 if i % 2 else body))
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_spec_decode_ngram_greedy_parity_on_gpu(k):
+    """Verify steps replay the verify graphs (k + 1 query tokens, spec_decode/cuda_graphs.py),
+    steps without proposals the decode graphs."""
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()
+    hf = load_hf_model(str(resolve_builtin("stories260K")), torch.float32, "cuda")
+    prompts = _repetitive_prompts(32, k)
+    llm = LLM("stories260K", device="cuda", block_size=16, max_num_seqs=64,
+              gpu_memory_utilization=0.05,
+              speculative_config={"method": "ngram", "num_speculative_tokens": k,
+                                  "prompt_lookup_max": 3})
+    runner = llm.engine.model_runner
+    assert runner.graph_runner is not None and runner.verify_graph_runner.graphs
+    assert llm.config.async_scheduling is False  # turned off by speculation
+    replays = []
+    run = runner.verify_graph_runner.run
+    runner.verify_graph_runner.run = lambda *a: replays.append(1) or run(*a)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == _greedy_hf(hf, prompts, 48)
+    assert llm.engine.spec_decode.stats.num_accepted_tokens > 0 and replays
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+
+
+def test_spec_decode_verify_graphs_equal_eager_fp32_qwen3(tmp_path):
+    make_tiny_hf_model("qwen3", tmp_path / "q3", dtype=torch.float32)
+    rng = random.Random(5)
+    prompts = [[1] + [rng.randrange(3, 97) for _ in range(rng.randint(4, 30))] * 2
+               for _ in range(24)]
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    res = []
+    for eager in (True, False):
+        llm = LLM(str(tmp_path / "q3"), dtype="float32", device="cuda", max_num_seqs=32,
+                  enforce_eager=eager, num_blocks=512,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+        assert (llm.engine.model_runner.verify_graph_runner is None) == eager
+        res.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
+        del llm
+    assert res[0] == res[1]
+
+
+def test_spec_decode_draft_model_greedy_parity_on_gpu(tmp_path):
+    """The target as its own draft (everything accepted) and a random tiny Llama with its
+    vocabulary (almost nothing accepted): greedy equals HF either way; small caches that force
+    preemption."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(str(tmp_path / "tiny"))
+    hf = load_hf_model(str(resolve_builtin("stories260K")), torch.float32, "cuda")
+    prompts = _repetitive_prompts(24, 7)
+    expected = _greedy_hf(hf, prompts, 40)
+    for draft, full in (("stories260K", True), (str(tmp_path / "tiny"), False)):
+        llm = LLM("stories260K", device="cuda", block_size=16, num_blocks=40, max_model_len=256,
+                  max_num_batched_tokens=64, max_num_seqs=32,
+                  speculative_config={"method": "draft_model", "model": draft,
+                                      "num_speculative_tokens": 3})
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40,
+                                                    ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected, draft
+        stats = llm.engine.spec_decode.stats
+        assert stats.num_draft_tokens > 0
+        assert (stats.num_accepted_tokens == stats.num_draft_tokens) == full
+        assert sum(len(r.preempted) for r in llm.trace) > 0
+        del llm
+
+
+def test_spec_decode_seeded_sampling_reproducible_on_gpu():
+    prompts = _repetitive_prompts(8, 3)
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=i, max_tokens=32, ignore_eos=True)
+              for i in range(8)]
+    runs = []
+    for _ in range(2):
+        llm = LLM("stories260K", device="cuda", gpu_memory_utilization=0.05, max_num_seqs=32,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+        runs.append([o.outputs[0].token_ids
+                     for o in llm.generate(prompts, params, use_tqdm=False)])
+        del llm
+    assert runs[0] == runs[1]

@@ -34,7 +34,23 @@ from typing import Optional
 from minipaged.cli.errors import CLIError, one_line
 from minipaged.config import EngineConfig, engine_fields
 
-_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _json_object(text: str) -> dict:
+    """A flag that takes a JSON object, as vLLM's `--speculative-config '{"method": ...}'`."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"method\": "
+                                         f"\"ngram\", \"num_speculative_tokens\": 4}}', got "
+                                         f"{text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object ({{...}}), got {text!r}")
+    return value
+
+
+_json_object.__name__ = "JSON"
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "dict": _json_object}
 
 # Where a model comes from (vLLM's names). `--download-dir` and `--revision` go to the loader's
 # `resolve_model`, which fetches the model before the engine starts (engine_config_from_args).
@@ -221,14 +237,16 @@ def add_engine_args(parser: argparse.ArgumentParser, model_default: str = "stori
         meta = dict(f.metadata)
         help_text = meta.pop("help", "")
         default = model_default if f.name == "model" else f.default
-        if default is None:
-            help_text += " (default: auto)"
+        if default is None:  # decided by resolve; a JSON knob (speculative_config) is off
+            help_text += " (default: off)" if kind is _json_object else " (default: auto)"
         if kind is bool:
             group.add_argument(*flag_names(f.name, twins), dest=f.name, default=default,
                                action=argparse.BooleanOptionalAction, help=help_text)
         elif default is None:  # decided by EngineConfig.resolve; "auto" asks for that
             choices = meta.pop("choices", None)
             metavar = "{" + ",".join(("auto", *choices)) + "}" if choices else None
+            if kind is _json_object:
+                metavar = "JSON"
             group.add_argument(*flag_names(f.name, twins), dest=f.name, default=None,
                                type=_auto_or(kind, choices), metavar=metavar, help=help_text,
                                **meta)

@@ -330,6 +330,18 @@ class BlockManager:
             hashes.append(h)
             self.allocator.register(self.allocator.blocks[table[i]], h, chunk, seq.lora_int_id)
 
+    def free_trailing_blocks(self, seq: Sequence) -> None:
+        """Give back the tail blocks that hold no computed token (speculative decoding's
+        rollback: slots reserved for proposals the target rejected). `seq.num_computed_tokens`
+        has been reset to what was accepted; a block past it goes to the back of the free
+        queue. Such a block was never published: only computed, known tokens are hashed."""
+        table = self.block_tables[seq.seq_id]
+        keep = self.num_blocks_for(seq.num_computed_tokens)
+        while len(table) > keep:
+            self.allocator.decref(self.allocator.blocks[table.pop()])
+            self.num_block_refs -= 1
+        self.num_slots[seq.seq_id] = seq.num_computed_tokens
+
     # --- sharing and release ----------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every block of `parent` (ref counts +1); writes will copy-on-write."""

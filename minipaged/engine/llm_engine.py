@@ -128,6 +128,10 @@ class LLMEngine:
         if config.async_scheduling:  # the host loop's fast path: replaces `step` (chosen once)
             from minipaged.worker.async_scheduling import AsyncScheduling
             self.async_scheduling = AsyncScheduling(self)
+        self.spec_decode = None  # speculative decoding: replaces `step` (chosen once, lesson 10)
+        if config.speculative_config is not None:
+            from minipaged.spec_decode.engine_step import SpeculativeDecoding
+            self.spec_decode = SpeculativeDecoding(self)
         if config.is_cuda:  # where a pause idles the GPU (lesson 08 measures it)
             from minipaged.worker.gpu_model_runner import freeze_gc_heap
             freeze_gc_heap()
@@ -177,6 +181,9 @@ class LLMEngine:
         params = SamplingParams() if sampling_params is None else sampling_params
         vocab = self.model_config.vocab_size
         processor.validate_params(request_id, params, vocab, self.config.max_logprobs)
+        if self.spec_decode is not None:  # n > 1 and beam search do not speculate yet
+            from minipaged.spec_decode.config import check_request
+            check_request(request_id, params)
         if getattr(params, "structured_outputs", None) is not None:  # compiled for this vocabulary
             try:
                 self.structured_output.compile(params.structured_outputs)

@@ -186,7 +186,10 @@ class OutputProcessor:
                      "finished_time": seq.finished_time, "num_preemptions": seq.num_preemptions,
                      # prefix cache: the share of the prompt it served, in tokens and blocks
                      "prefix_cache_hit_rate": seq.num_cached_tokens / seq.num_prompt_tokens,
-                     "num_cached_blocks": seq.num_cached_tokens // self.block_size, **metrics})
+                     "num_cached_blocks": seq.num_cached_tokens // self.block_size,
+                     # speculative decoding: tokens proposed for it, and accepted (lesson 10)
+                     "spec_num_draft_tokens": seq.num_draft_tokens,
+                     "spec_num_accepted_tokens": seq.num_accepted_tokens, **metrics})
 
     def make_output(self, seq: Sequence) -> RequestOutput:
         return self.request_output(seq, [self.completion(seq)], seq.is_finished)

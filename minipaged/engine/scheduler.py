@@ -47,6 +47,9 @@ class ScheduledSeq:
     # Its block table (logical block i -> physical block id) as the step leaves it: what the
     # worker needs to find the cache slots, so it never asks the block manager.
     block_table: list[int] = field(default_factory=list)
+    # Speculative decoding: the proposals this step verifies after the newest token (its
+    # num_new_tokens counts them); empty for every other sequence (spec_decode/scheduler.py).
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -83,6 +83,10 @@ class StepRecord:
     # Async scheduling (lesson 08): seconds this step's host work waited for the previous step's
     # tokens. Near 0: the host is the bottleneck; a large share of `duration`: the GPU is.
     wait_time: float = 0.0
+    # Speculative decoding (lesson 10): sequences that verified a proposal at position i, and
+    # how many of them accepted it (acceptance per position = accepted[i] / drafts[i]).
+    num_draft_tokens_per_pos: list[int] = field(default_factory=list)
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     @property
     def num_prefill_tokens(self) -> int:

@@ -1,9 +1,9 @@
 """Build it yourself: rebuild the engine's central pieces, graded by the project's own tests.
 
-Lessons 02-06 each end with one exercise (tiny-llm's graders are the model). Each exercise is a
-*skeleton* module in this folder: the real signatures and docstrings of the functions to write,
-bodies that raise NotImplementedError. The registry below says which real symbols they replace
-and which of the project's tests grade them.
+Lessons 02-06 and 10 each end with one exercise (tiny-llm's graders are the model). Each
+exercise is a *skeleton* module in this folder: the real signatures and docstrings of the
+functions to write, bodies that raise NotImplementedError. The registry below says which real
+symbols they replace and which of the project's tests grade them.
 
     minipaged exercise list                   the exercises, their lessons and what to write
     minipaged exercise start NAME             copies the skeleton to exercises/NAME.py (your file)
@@ -50,6 +50,7 @@ class Exercise:
 _BM = "tests/test_block_manager.py::"
 _SCHED = "tests/test_scheduler.py::"
 _SAMPLER = "tests/test_sampler.py::"
+_REJECTION = "tests/test_rejection_sampler.py::"  # all but the CUDA test (a skip grades nothing)
 
 EXERCISES: tuple[Exercise, ...] = (
     Exercise(
@@ -94,6 +95,30 @@ EXERCISES: tuple[Exercise, ...] = (
             _SAMPLER + "test_disabled_filters_keep_the_whole_vocabulary",
             _SAMPLER + "test_top_k_sampling_matches_the_truncated_softmax",
         )),
+    Exercise(
+        name="rejection_sampler",
+        lessons=("10_speculative_decoding",),
+        summary="speculative decoding's rule: accept min(1, p/q), else draw from max(0, p - q)",
+        targets=("minipaged.sampling.rejection_sampler:rejection_sample",
+                 "minipaged.sampling.rejection_sampler:_correction_weights"),
+        tests=tuple(_REJECTION + t for t in (
+            "test_first_token_follows_target",
+            "test_second_token_follows_target_after_an_acceptance",
+            "test_bonus_token_follows_the_target_after_the_guesses",
+            "test_threshold_rejects_biased_rules",
+            "test_one_hot_rule_is_lossless_for_any_guess",
+            "test_ngram_guesses_follow_target",
+            "test_zero_residual_falls_back_to_target",
+            "test_greedy_accepts_while_argmax_agrees",
+            "test_greedy_ignores_draft_probs_and_randomness",
+            "test_mixed_greedy_and_sampled_rows",
+            "test_padding_is_never_accepted",
+            "test_padding_is_never_accepted_by_sampled_rows",
+            "test_row_without_proposals_samples_from_position_zero",
+            "test_no_speculation_at_all",
+            "test_shape_errors_name_the_argument",
+            "test_seeded_rows_replay_whatever_the_batch",
+        )) + ("tests/test_spec_decode.py::test_ngram_greedy_equals_hf_for_k_1_to_5",)),
     Exercise(
         name="online_softmax",
         lessons=("05_paged_attention_kernel",),

@@ -57,7 +57,7 @@ def decode_sched(num_seqs: int, context_len: int, block_size: int, vocab: int):
     for i in range(num_seqs):
         seq = SimpleNamespace(num_computed_tokens=context_len - 1,
                               token_ids=[(7 * i + 3 * p) % vocab for p in range(context_len)])
-        items.append(SimpleNamespace(seq=seq, num_new_tokens=1, samples=True,
+        items.append(SimpleNamespace(seq=seq, num_new_tokens=1, samples=True, spec_token_ids=[],
                                      block_table=list(range(i * per, (i + 1) * per))))
     return SimpleNamespace(scheduled=items, blocks_to_copy=[]), num_seqs * per
 

@@ -406,6 +406,8 @@ class AsyncLLM:
         m.num_preemptions.inc(st.num_preemptions - (last.num_preemptions if last else 0))
         m.prefix_cache_queries.inc(st.prefix_cache_queries - (last.prefix_cache_queries if last else 0))
         m.prefix_cache_hits.inc(st.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
+        if st.spec_num_drafts:
+            m.spec_decode_step(st, last)
         self._last_stats = st
 
     def token_text(self, token_id: int) -> str:

@@ -186,9 +186,13 @@ class EngineCore:
     def stats(self) -> EngineStats:
         eng = self.engine
         sched, bm = eng.scheduler, eng.block_manager
+        spec = () if eng.spec_decode is None else (  # speculative decoding's counters
+            eng.spec_decode.stats.num_drafts, eng.spec_decode.stats.num_draft_tokens,
+            eng.spec_decode.stats.num_accepted_tokens,
+            list(eng.spec_decode.stats.num_accepted_tokens_per_pos))
         return EngineStats(len(sched.running), len(sched.waiting),
                            bm.num_blocks - bm.num_free_blocks, bm.num_blocks,
-                           sched.num_preemptions, bm.prefix_queries, bm.prefix_hits)
+                           sched.num_preemptions, bm.prefix_queries, bm.prefix_hits, *spec)
 
     # --- the loop ---------------------------------------------------------------------------
     def run(self, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: Optional[int]) -> None:

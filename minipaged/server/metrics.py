@@ -19,6 +19,12 @@ Lesson 07 explains it and plots them while a burst of requests runs.
     minipaged:request_prefill_time_seconds histogram first scheduled -> first token
     minipaged:request_decode_time_seconds histogram  first token -> last token
     minipaged:request_params_n            histogram  the n (samples per prompt) of requests
+    minipaged:spec_decode_num_drafts_total           counter  speculative verify steps of one
+                                                              sequence (lesson 10)
+    minipaged:spec_decode_num_draft_tokens_total     counter  tokens proposed
+    minipaged:spec_decode_num_accepted_tokens_total  counter  ... of which accepted
+    minipaged:spec_decode_num_accepted_tokens_per_pos_total{position="i"}  counter  accepted
+                                                              at proposal position i
 
 Every `Metrics` has its own `CollectorRegistry` (not prometheus_client's global one), so a test
 or a notebook can build several servers in one process. The API server process updates them from
@@ -88,6 +94,30 @@ class Metrics:
                                             "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits",
                                          "Prompt tokens found in the prefix cache.")
+
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts", "Speculative verify steps of one sequence.")
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Proposed (draft) tokens.")
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Accepted proposed tokens.")
+        self._spec_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted proposed tokens, by position in the proposal.",
+                                     labels + ["position"], registry=r)
+
+    def spec_decode_step(self, st, last) -> None:
+        """Add what the engine's cumulative spec-decode counters gained since `last`
+        (messages.EngineStats; None: the first)."""
+        self.spec_decode_num_drafts.inc(st.spec_num_drafts - (last.spec_num_drafts if last else 0))
+        self.spec_decode_num_draft_tokens.inc(
+            st.spec_num_draft_tokens - (last.spec_num_draft_tokens if last else 0))
+        self.spec_decode_num_accepted_tokens.inc(
+            st.spec_num_accepted_tokens - (last.spec_num_accepted_tokens if last else 0))
+        before = last.spec_num_accepted_tokens_per_pos if last else []
+        for i, n in enumerate(st.spec_num_accepted_tokens_per_pos):
+            gained = n - (before[i] if i < len(before) else 0)
+            if gained:
+                self._spec_per_pos.labels(self.model_name, str(i)).inc(gained)
 
     def request_finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()

@@ -16,9 +16,10 @@ four differences that only matter on a GPU:
   (sampled by the previous step, not yet read by the host) takes it from that step's token
   tensor, gathered on the device.
 
-Decode steps replay CUDA graphs (cuda_graphs.py) when the config asks for them. This file also
-holds the engine's two CUDA-only set-up helpers: the activation profile that sizes the KV cache,
-and the garbage-collector freeze.
+Decode steps replay CUDA graphs (cuda_graphs.py) when the config asks for them; so do
+speculative verify steps (queries of up to k + 1 tokens, spec_decode/cuda_graphs.py). This file
+also holds the engine's two CUDA-only set-up helpers: the activation profile that sizes the KV
+cache, and the garbage-collector freeze.
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ class GPUModelRunner(ModelRunner):
                  *, max_num_seqs: int, max_model_len: int, cuda_graphs: bool):
         super().__init__(model, kv_cache, backend, block_size)
         self.graph_runner = None
+        self.verify_graph_runner = None  # speculative decoding's (spec_decode/cuda_graphs.py)
         if cuda_graphs:
             from minipaged.worker.cuda_graphs import CUDAGraphRunner
             self.graph_runner = CUDAGraphRunner(model, kv_cache, backend, max_num_seqs=max_num_seqs,
@@ -93,8 +95,8 @@ class GPUModelRunner(ModelRunner):
                 input_ids.append(seq.token_ids[start])
                 positions.append(start)
                 slot_mapping.append(table[start // bs] * bs + start % bs)
-            else:
-                input_ids += seq.token_ids[start:start + n]
+            else:  # a prefill chunk, or a speculating sequence's token + proposals
+                input_ids += seq.token_ids[start:start + n] + s.spec_token_ids
                 pos = range(start, start + n)
                 positions += pos
                 slot_mapping += [table[p // bs] * bs + p % bs for p in pos]
@@ -126,7 +128,9 @@ class GPUModelRunner(ModelRunner):
             context_lens_host=context_lens, max_query_len=max(query_lens),
             max_context_len=max(context_lens), block_size=bs,
             num_decode_tokens=query_lens.count(1))
-        sample_rows = [sample_row[id(s)] for s in sched.scheduled if s.samples]
+        sample_rows = [row for s in sched.scheduled if s.samples  # speculating: k + 1 rows
+                       for row in range(sample_row[id(s)] - len(s.spec_token_ids),
+                                        sample_row[id(s)] + 1)]
         if from_gpu:  # (num_tokens,): the in-flight tokens' values, gathered on the device
             ids = ids.index_copy(0, dst, pending.tokens[src])
         return ids, pos_dev, metadata, sample_rows
@@ -139,6 +143,8 @@ class GPUModelRunner(ModelRunner):
         graphs = self.graph_runner
         if graphs is not None and metadata.max_query_len == 1 and graphs.can_run(metadata.num_seqs):
             hidden = graphs.run(input_ids, positions, metadata)  # decode step: replay a graph
+        elif self.verify_graph_runner is not None and self.verify_graph_runner.can_run(metadata):
+            hidden = self.verify_graph_runner.run(input_ids, positions, metadata)  # k + 1 each
         else:
             hidden = self.forward(input_ids, positions, metadata)
         return self.compute_logits(hidden, sample_rows)

@@ -12,8 +12,9 @@ nothing cached) and B (decode, 5 tokens already cached), block_size 4:
 
 These go into an `AttentionMetadata` that is passed explicitly to every layer. Only the rows of
 sequences that reach their last known token are turned into logits (a partial prefill chunk
-samples nothing). Everything the runner needs comes in the `SchedulerOutput`, block tables
-included: the worker never reads the block manager.
+samples nothing); a speculating sequence (spec_decode/) gets one at every position it verifies.
+Everything the runner needs comes in the `SchedulerOutput`, block tables included: the worker
+never reads the block manager.
 
 On CUDA `gpu_model_runner.py` builds the same tensors in a GPU-friendly way (ordered, packed,
 padded) and replays decode steps from CUDA graphs; `make_model_runner` (worker/__init__.py)
@@ -53,13 +54,14 @@ class ModelRunner:
         for s in sched.scheduled:
             start, n = s.seq.num_computed_tokens, s.num_new_tokens
             pos = range(start, start + n)  # the new tokens' positions
-            input_ids += s.seq.token_ids[start:start + n]
+            # (a speculating sequence: its newest token, then the proposals it verifies)
+            input_ids += s.seq.token_ids[start:start + n] + s.spec_token_ids
             positions += pos
             slot_mapping += [s.block_table[p // bs] * bs + p % bs for p in pos]
             query_lens.append(n)
             context_lens.append(start + n)
-            if s.samples:
-                sample_rows.append(len(input_ids) - 1)
+            if s.samples:  # speculating: logits at every verified position, not just the last
+                sample_rows += range(len(input_ids) - 1 - len(s.spec_token_ids), len(input_ids))
         width = max(len(s.block_table) for s in sched.scheduled)
         tables = [s.block_table + [0] * (width - len(s.block_table)) for s in sched.scheduled]
         cu_seqlens_q = [0]
