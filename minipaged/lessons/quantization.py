@@ -33,6 +33,7 @@ def text_logits(llm, token_ids: list[int]) -> torch.Tensor:
 
     It runs the engine's own model and attention backend through a `ModelRunner` with a private
     KV cache (the engine's cache and prefix cache are left untouched)."""
+    from minipaged.engine.scheduler import ScheduledSeq, SchedulerOutput
     from minipaged.worker.kv_cache import allocate_kv_cache
     from minipaged.worker.model_runner import ModelRunner
     eng = llm.engine
@@ -41,10 +42,10 @@ def text_logits(llm, token_ids: list[int]) -> torch.Tensor:
     kv = allocate_kv_cache(eng.model.config, num_blocks, bs, eng.kv_dtype, eng.device,
                            head_major=eng.config.kv_head_major)
     runner = ModelRunner(eng.model, kv, eng.backend, bs)
-    seq = SimpleNamespace(num_computed_tokens=0, token_ids=list(token_ids))
-    sched = SimpleNamespace(scheduled=[SimpleNamespace(
-        seq=seq, num_new_tokens=len(token_ids), samples=True,
-        block_table=list(range(num_blocks)))], blocks_to_copy=[])
+    seq = SimpleNamespace(num_computed_tokens=0, token_ids=list(token_ids))  # what it reads
+    sched = SchedulerOutput(scheduled=[ScheduledSeq(
+        seq=seq, num_new_tokens=len(token_ids), is_prefill=True, samples=True,
+        block_table=list(range(num_blocks)))])
     input_ids, positions, metadata, _ = runner.prepare_inputs(sched)
     hidden = runner.forward(input_ids, positions, metadata)  # (tokens, hidden)
     return eng.model.compute_logits(hidden).float().cpu()  # (tokens, vocab)
