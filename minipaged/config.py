@@ -25,6 +25,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half", "float64")  # models.config._DTYPES
 ATTENTION_BACKENDS = ("torch_ref", "triton")
 PREEMPTION_MODES = ("recompute", "swap")
+QUANTIZATION_METHODS = ("fp8",)  # models/quantization/
 
 
 def _knob(default, help: str, **flag):
@@ -93,6 +94,12 @@ class EngineConfig:
                 "one byte per element, unscaled and clamped to +-448: twice the tokens per GiB, "
                 "half the bytes each decode step reads, at 3 mantissa bits",
         choices=KV_CACHE_DTYPES)
+    quantization: Optional[str] = _knob(
+        None, "quantize the weights at load. fp8: the decoder layers' linear weights as float8 "
+              "e4m3 with one scale per output channel, activations quantized per token at run "
+              "time, torch._scaled_mm on CUDA (Hopper's fp8 tensor cores), a dequantizing path "
+              "elsewhere (models/quantization/fp8.py); None: the weights stay in dtype",
+        choices=QUANTIZATION_METHODS)
     max_logprobs: int = _knob(
         20, "most log-probabilities a request may ask for per token (SamplingParams.logprobs); "
             "-1: no limit (up to the vocabulary)")
@@ -150,6 +157,9 @@ class EngineConfig:
         check_bool("enforce_eager", self.enforce_eager)
         check_bool("async_scheduling", self.async_scheduling, optional=True)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        check_choice("quantization", self.quantization, QUANTIZATION_METHODS, optional=True,
+                     note=" (None: weights in dtype; fp8: float8 e4m3 weights with per-channel "
+                          "scales. The KV cache's float8 is kv_cache_dtype='fp8')")
         check_int("max_logprobs", self.max_logprobs, lo=-1, note=" (-1: no limit)")
         check_int("tensor_parallel_size", self.tensor_parallel_size, lo=1)
         check_bool("enable_lora", self.enable_lora)

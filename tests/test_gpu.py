@@ -2,6 +2,7 @@
 
 Greedy parity with HF on the GPU path: Triton kernels, CUDA-graph decode replays, GPU sampling.
 """
+import copy
 import random
 
 import pytest
@@ -182,6 +183,82 @@ def test_cuda_engine_freezes_the_heap_and_is_still_freed_when_dropped():
         assert [r() is None for r in refs + [kv]] == [True] * (len(refs) + 1)
     finally:
         gc.unfreeze()
+
+
+# --- fp8 weights (models/quantization/fp8.py) ---------------------------------------------------
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300])
+def test_scaled_mm_fp8_linear_equals_the_dequantizing_path(tokens):
+    """torch._scaled_mm (fp8 tensor cores, row-wise scales) computes the CPU path's numbers: the
+    same fp8 operands, the products summed in fp32, both scales applied, bf16 out."""
+    from minipaged.models.quantization.fp8 import (Fp8Linear, ScaledMMFp8Linear, fp8_linear,
+                                                   scaled_mm_supported)
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 tensor cores need compute capability 8.9+")
+    g = torch.Generator().manual_seed(tokens)
+    linear = torch.nn.Linear(1024, 768, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(768, 1024, generator=g) * 0.02)
+        linear.bias.copy_(torch.randn(768, generator=g) * 0.1)
+    linear = linear.to(torch.bfloat16).float()  # weights that bf16 holds exactly
+    gpu = copy.deepcopy(linear).to("cuda", torch.bfloat16)
+    assert scaled_mm_supported(gpu)
+    fast = fp8_linear(gpu)
+    assert type(fast) is ScaledMMFp8Linear
+    x = (torch.randn(tokens, 1024, generator=g) * torch.logspace(-2, 1, tokens)[:, None])
+    x = x.to(torch.bfloat16)
+    got = fast(x.cuda()).float().cpu()
+    cpu = Fp8Linear.from_linear(linear)  # the same weights, quantized on the CPU
+    want = cpu(x.float())
+    same = fast.weight.cpu().view(torch.uint8) == cpu.weight.view(torch.uint8)
+    assert same.float().mean() > 0.999  # the same fp8 weights (fp32 division on both sides)
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2 * float(want.abs().max()))
+    # a shape _scaled_mm refuses (172 features) falls back to the dequantizing layer, on the GPU
+    odd = torch.nn.Linear(172, 64, bias=False).to("cuda", torch.bfloat16)
+    assert type(fp8_linear(odd)) is Fp8Linear
+
+
+def test_triton_per_token_quant_equals_torch_on_gpu():
+    """fp8_triton.py's kernel compiled for the GPU: quantize_rowwise's scales and fp8 values."""
+    from minipaged.models.quantization.fp8 import quantize_rowwise
+    from minipaged.models.quantization.fp8_triton import per_token_quant_fp8
+    g = torch.Generator().manual_seed(0)
+    for hidden in (64, 1024, 3072, 8192):
+        x = torch.randn(300, hidden, generator=g) * torch.logspace(-3, 2, 300)[:, None]
+        x[5] = 0
+        x[7, :10] *= 1e-4
+        x = x.to("cuda", torch.bfloat16)
+        want_q, want_s = quantize_rowwise(x)
+        got_q, got_s = per_token_quant_fp8(x)
+        assert torch.equal(got_s, want_s), hidden
+        assert torch.equal(got_q.float(), want_q.float()), hidden
+
+
+def test_stories260k_fp8_weights_with_cuda_graphs():
+    """quantization="fp8" in bf16 on CUDA: _scaled_mm for q/k/v and o (64-wide), the fallback
+    for the MLP (172-wide); decode replayed from CUDA graphs gives the eager tokens, and the story
+    opens as float32's does (on the CPU fp8 parts from it at output token 16); with an fp8 KV
+    cache too."""
+    from minipaged.models.quantization.fp8 import Fp8Linear, ScaledMMFp8Linear
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 tensor cores need compute capability 8.9+")
+    prompts = ["Once upon a time", "The cat", "Lily and Ben went to the", "One day, a big"]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    res = {}
+    for eager in (True, False):
+        llm = LLM("stories260K", device="cuda", dtype="bfloat16", quantization="fp8",
+                  enforce_eager=eager, gpu_memory_utilization=0.05)
+        assert (llm.engine.model_runner.graph_runner is None) == eager
+        layer = llm.engine.model.model.layers[0]
+        assert type(layer.self_attn.qkv_proj) is ScaledMMFp8Linear
+        assert type(layer.mlp.down_proj) is Fp8Linear
+        res[eager] = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
+        del llm
+    assert [o.token_ids for o in res[True]] == [o.token_ids for o in res[False]]
+    assert res[False][0].text.startswith(", there was a little girl")
+    llm = LLM("stories260K", device="cuda", dtype="bfloat16", quantization="fp8",
+              kv_cache_dtype="fp8", gpu_memory_utilization=0.05)
+    out = llm.generate(prompts[:1], sp, use_tqdm=False)[0].outputs[0]
+    assert out.text.startswith(", there was a little girl")
 
 
 def test_structured_outputs_on_gpu_with_a_qwen3_sized_vocabulary(tmp_path):

@@ -18,6 +18,7 @@ from hypothesis import given, settings, strategies as st
 
 from minipaged import LLM, BeamSearchParams, EngineConfig, RequestError, SamplingParams
 from minipaged.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES
+from minipaged.config import QUANTIZATION_METHODS
 from minipaged.validation import INT32_MAX, SEED_MAX, SEED_MIN
 
 PROPS = settings(max_examples=40, deadline=None)
@@ -167,6 +168,8 @@ CONFIG_FIELDS = {
     "enforce_eager": (st.booleans(), bad_bools()),
     "async_scheduling": (optional(st.booleans()), bad_bools(none_ok=True)),
     "kv_cache_dtype": (st.sampled_from(KV_CACHE_DTYPES), bad_choices(KV_CACHE_DTYPES)),
+    "quantization": (optional(st.sampled_from(QUANTIZATION_METHODS)),
+                     bad_choices(QUANTIZATION_METHODS, none_ok=True)),
     "max_logprobs": (ints(-1, BIG), bad_ints(-1)),
     "tensor_parallel_size": (ints(1, 1024), bad_ints(1)),
     "enable_lora": (st.booleans(), bad_bools()),

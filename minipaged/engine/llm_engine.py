@@ -76,7 +76,8 @@ class LLMEngine:
             tp = start_tensor_parallel(config, self.source)  # the workers load their shards too
         self.model, self.model_config = load_model(self.source, self.dtype, self.device, self.backend,
                                                    max_positions=config.max_model_len, seed=config.seed,
-                                                   fused_ops=config.fused_ops, tp=tp)
+                                                   fused_ops=config.fused_ops, tp=tp,
+                                                   quantization=config.quantization)
         self.kv_config = self.model.config  # the KV heads this process holds: 1/N of them with TP
         self.lora_manager = None
         if config.enable_lora:  # adapter slots around the linear layers (minipaged/lora/)

@@ -11,6 +11,7 @@
     bench.py          workloads and the side-by-side throughput runs (`minipaged bench`)
     tp.py             lesson 09's tensor-parallel shards and data-flow pictures
     tp_measure.py     lesson 09's gloo timings of one step (compute vs communication)
+    quantization.py   lesson 11's fp8 measurements: logits cosine, top-1 agreement, weight error
     structured.py     lesson 12's grammar masks drawn and measured, its graded exercise
     server.py         an in-process `minipaged serve` for lessons 07 and 12
 

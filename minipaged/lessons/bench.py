@@ -165,12 +165,15 @@ PEAK_GB_PER_S = {"H200": 4800, "H100 NVL": 3900, "H100 80GB HBM3": 3350, "H100 P
 
 
 def bandwidth(llm, wl: Workload, elapsed: float, trace) -> dict:
-    """Bytes the run must read (weights once per step of `trace` + every sequence's KV at every
-    decode step), per second, and its share of the GPU's spec-sheet bandwidth when known."""
+    """Bytes the run must read (weights once per step of `trace`, as stored: fp8 weights one byte
+    each, + every sequence's KV at every decode step), per second, and its share of the GPU's spec-sheet bandwidth when known."""
     eng = llm.engine
     mc = eng.model_config
     elem = torch.tensor([], dtype=eng.dtype).element_size()
     weight_bytes = mc.num_parameters() * elem
+    params = list(eng.model.parameters())  # quantized weights (fp8) take fewer bytes than elem
+    weight_bytes = int(weight_bytes * sum(p.numel() * p.element_size() for p in params)
+                       / (sum(p.numel() for p in params) * elem))
     steps = [r for r in trace if r.num_batched_tokens]
     kv_per_token = mc.kv_bytes_per_token(eng.kv_dtype)
     kv_read = 0
@@ -240,6 +243,10 @@ def environment() -> dict:
 def hf_from_dummy(llm):
     """An HF model with the same dummy weights, for baselines on presets."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    if llm.engine.config.quantization is not None:
+        raise ValueError(f"the HF baselines copy the engine's dummy weights, and with "
+                         f"quantization={llm.engine.config.quantization!r} those are quantized: "
+                         "run the HF backends without --quantization")
     src = llm.engine.source
     cfg = AutoConfig.for_model(**src.config)
     with torch.device(llm.engine.device):

@@ -179,12 +179,15 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, backend,
-               max_positions: int, seed: int = 0, fused_ops: bool = False, tp=None):
+               max_positions: int, seed: int = 0, fused_ops: bool = False, tp=None,
+               quantization: Optional[str] = None):
     """Build `LlamaForCausalLM` on `device` in `dtype` and fill its weights.
 
     `fused_ops`: build it from the fused Triton layers (models/fused_layers.py) instead of the
     torch ones (the engine decides, in `EngineConfig.resolve`). `tp` (distributed.TPGroup):
-    build this rank's shard of the model instead (models/parallel_llama.py).
+    build this rank's shard of the model instead (models/parallel_llama.py). `quantization`
+    ("fp8"): once the float weights are in, replace the linear layers by their quantized
+    variant (models/quantization/).
     """
     from minipaged.models.layers import get_layers
     from minipaged.models.llama import LlamaForCausalLM
@@ -192,8 +195,9 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ba
     cfg = ModelConfig.from_dict(source.config)
     if tp is not None:
         from minipaged.models.parallel_llama import load_tensor_parallel_model
-        return load_tensor_parallel_model(source, cfg, dtype, device, backend, max_positions,
-                                          seed, get_layers(fused_ops), tp), cfg
+        model = load_tensor_parallel_model(source, cfg, dtype, device, backend, max_positions,
+                                           seed, get_layers(fused_ops), tp)
+        return _quantize(model, quantization), cfg
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, max_positions, get_layers(fused_ops))
     model = model.to_empty(device=device).to(dtype)  # parameters allocated, not yet filled
@@ -204,7 +208,14 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ba
         model.load_weights(gguf_loader.iter_gguf_weights(source.gguf))
     else:
         model.load_weights(iter_safetensors(source.path))
-    return model.eval(), cfg
+    return _quantize(model.eval(), quantization), cfg
+
+
+def _quantize(model, quantization: Optional[str]):
+    if quantization is None:
+        return model
+    from minipaged.models.quantization import quantize_model
+    return quantize_model(model, quantization)
 
 
 def load_tokenizer(source: ModelSource, tokenizer: Optional[str] = None):

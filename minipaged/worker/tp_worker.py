@@ -95,7 +95,8 @@ def run_worker(config, source, tp: TPGroup) -> None:
     backend = get_attention_backend(config.attention_backend, config.device)
     torch.manual_seed(config.seed)
     model, _ = load_model(source, dtype, device, backend, max_positions=config.max_model_len,
-                          seed=config.seed, fused_ops=config.fused_ops, tp=tp)
+                          seed=config.seed, fused_ops=config.fused_ops, tp=tp,
+                          quantization=config.quantization)
     kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
     if config.is_cuda and config.num_blocks is None and config.kv_cache_memory is None:
         # the driver sizes its cache from a profiled forward: run it alongside (collectives)
