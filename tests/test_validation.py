@@ -175,6 +175,11 @@ CONFIG_FIELDS = {
     "enable_lora": (st.booleans(), bad_bools()),
     "max_loras": (ints(1, BIG), bad_ints(1)),
     "max_lora_rank": (ints(1, 512), bad_ints(1, 512)),
+    "speculative_config": (
+        optional(st.builds(lambda k, m: {"method": "ngram", "num_speculative_tokens": k,
+                                         "prompt_lookup_max": m, "prompt_lookup_min": 1},
+                           ints(1, 16), ints(1, 8))),
+        ints() | st.text(max_size=5) | st.lists(ints(), max_size=2) | st.booleans()),
 }
 
 BEAM_BASE = dict(beam_width=2, max_tokens=4)
