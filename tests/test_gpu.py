@@ -418,7 +418,7 @@ def test_spec_decode_ngram_greedy_parity_on_gpu(k):
     hf = load_hf_model(str(resolve_builtin("stories260K")), torch.float32, "cuda")
     prompts = _repetitive_prompts(32, k)
     llm = LLM("stories260K", device="cuda", block_size=16, max_num_seqs=64,
-              gpu_memory_utilization=0.05,
+              num_blocks=1024,  # not a share of the GPU: earlier tests' memory may linger
               speculative_config={"method": "ngram", "num_speculative_tokens": k,
                                   "prompt_lookup_max": 3})
     runner = llm.engine.model_runner
@@ -485,7 +485,7 @@ def test_spec_decode_seeded_sampling_reproducible_on_gpu():
               for i in range(8)]
     runs = []
     for _ in range(2):
-        llm = LLM("stories260K", device="cuda", gpu_memory_utilization=0.05, max_num_seqs=32,
+        llm = LLM("stories260K", device="cuda", num_blocks=1024, max_num_seqs=32,
                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})
         runs.append([o.outputs[0].token_ids
                      for o in llm.generate(prompts, params, use_tqdm=False)])
