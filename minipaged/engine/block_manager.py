@@ -6,7 +6,7 @@ only hands out block *ids*, exactly like an operating system's page allocator ha
 
 Two layers, following vLLM's names:
 
-* `BlockAllocator` owns the physical blocks: a free queue, a reference count per block, and the
+* `BlockAllocator` (block_allocator.py) owns the physical blocks: a free queue, a reference count per block, and the
   prefix-cache index (block hash -> block). A block whose ref count drops to 0 goes to the *back*
   of the free queue but keeps its hash, so a later request with the same prefix can take it back
   ("cached"); new allocations pop from the *front*, evicting the least recently freed block first.
@@ -31,109 +31,12 @@ runs this file's tests with yours in place (minipaged/exercises/).
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from minipaged.engine.block_allocator import Block, BlockAllocator, hash_block
 from minipaged.engine.sequence import Sequence
 from minipaged.engine.trace import BlockUsage
 from minipaged.utils import cdiv
-
-
-@dataclass
-class Block:
-    block_id: int
-    ref_count: int = 0
-    block_hash: Optional[int] = None  # set once the block is full and its K/V are written
-    token_ids: tuple[int, ...] = ()  # the tokens a hashed block holds, to verify cache hits
-    lora_int_id: int = 0  # ... and the LoRA adapter they were computed with (0: none)
-
-
-class BlockAllocator:
-    """Physical blocks, their ref counts, the free queue (LRU order) and the prefix-hash index."""
-
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        # Blocks with ref_count == 0, front = next to be handed out (and evicted from the cache).
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.hash_to_block: dict[int, int] = {}
-        self.num_cached_free = 0  # free blocks that still hold a reusable, hashed prefix
-        self.num_evictions = 0
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks that can be handed out now (cached-but-unreferenced blocks included)."""
-        return len(self.free_queue)
-
-    def allocate(self) -> Block:
-        """Take the least recently freed block; if it still held a cached prefix, evict it."""
-        if not self.free_queue:
-            raise RuntimeError("BlockAllocator is out of blocks; the scheduler must check "
-                               "can_allocate/can_append before allocating")
-        block_id, _ = self.free_queue.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.block_hash is not None:
-            self._drop_hash(block)
-            self.num_cached_free -= 1
-            self.num_evictions += 1
-        block.ref_count = 1
-        return block
-
-    def incref(self, block: Block) -> None:
-        if block.ref_count == 0:  # a cached free block comes back into use
-            del self.free_queue[block.block_id]
-            if block.block_hash is not None:
-                self.num_cached_free -= 1
-        block.ref_count += 1
-
-    def decref(self, block: Block) -> None:
-        if block.ref_count <= 0:
-            raise RuntimeError(f"double free of block {block.block_id}")
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            self.free_queue[block.block_id] = None  # back of the queue: evicted last
-            if block.block_hash is not None:
-                self.num_cached_free += 1
-
-    # --- prefix cache -----------------------------------------------------------------------
-    def lookup(self, block_hash: int, token_ids: tuple[int, ...],
-               lora_int_id: int = 0) -> Optional[Block]:
-        block_id = self.hash_to_block.get(block_hash)
-        if block_id is None:
-            return None
-        block = self.blocks[block_id]
-        if block.token_ids != token_ids or block.lora_int_id != lora_int_id:
-            return None  # a hash collision is a miss
-        return block
-
-    def register(self, block: Block, block_hash: int, token_ids: tuple[int, ...],
-                 lora_int_id: int = 0) -> None:
-        """Publish a full, written block to the prefix cache (first writer wins)."""
-        if not self.enable_prefix_caching or block.block_hash is not None:
-            return
-        if block_hash in self.hash_to_block:
-            return  # another block already caches this prefix
-        block.block_hash = block_hash
-        block.token_ids, block.lora_int_id = token_ids, lora_int_id
-        self.hash_to_block[block_hash] = block.block_id
-
-    def _drop_hash(self, block: Block) -> None:
-        if self.hash_to_block.get(block.block_hash) == block.block_id:
-            del self.hash_to_block[block.block_hash]
-        block.block_hash = None
-        block.token_ids = ()
-
-
-def hash_block(parent_hash: Optional[int], token_ids: tuple[int, ...],
-               lora_int_id: int = 0) -> int:
-    """Prefix-aware block hash: equal hashes mean equal token prefixes up to this block, computed
-    with the same LoRA adapter (0: none), so blocks are never shared across adapters."""
-    return hash((parent_hash, token_ids, lora_int_id) if lora_int_id else (parent_hash, token_ids))
 
 
 def _move(table: list[int], src: BlockAllocator, dst: BlockAllocator,
