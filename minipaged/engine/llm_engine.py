@@ -44,7 +44,7 @@ from minipaged.engine.output import OutputProcessor, RequestOutput
 from minipaged.engine.processor import RequestError
 from minipaged.engine.scheduler import Scheduler, SchedulerOutput
 from minipaged.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from minipaged.engine.trace import ScheduledEntry, StepRecord
+from minipaged.engine.trace import StepRecord, step_record
 from minipaged.lora.request import LoRARequest
 from minipaged.models.config import ModelConfig, parse_dtype
 from minipaged.models.loader import load_model, load_tokenizer, resolve_model
@@ -423,42 +423,10 @@ class LLMEngine:
                 self._fail(group.seqs[0], exc, outputs, finished)
 
     def _record(self, sched: SchedulerOutput, finished: list[str], t0: float) -> None:
+        """Append this step's StepRecord to the trace (engine/trace.py builds it)."""
         bm = self.block_manager
-        grouped = bool(self.groups)  # name the samples and beams of groups ("request_id/index")
-        entries = [ScheduledEntry(s.seq.request_id, s.seq.seq_id,
-                                  s.num_new_tokens if s.is_prefill else 0,
-                                  0 if s.is_prefill else s.num_new_tokens,
-                                  s.seq.num_computed_tokens - s.num_new_tokens,
-                                  s.num_cached_tokens, s.seq.name if grouped else "")
-                   for s in sched.scheduled]
-        cached = bm.allocator.num_cached_free
         queries, hits = self._prefix_stats
         self._prefix_stats = (bm.prefix_queries, bm.prefix_hits)
-        record = StepRecord(
-            step=self._step_counter, start_time=t0 - self._start,
-            duration=time.perf_counter() - t0, scheduled=entries,
-            preempted=list(dict.fromkeys(s.request_id for s in sched.preempted)), finished=finished,
-            num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
-            num_blocks_used=bm.num_blocks - bm.num_free_blocks,
-            num_blocks_free=bm.num_free_blocks - cached, num_blocks_cached=cached,
-            num_batched_tokens=sched.num_batched_tokens,
-            num_blocks_saved_by_sharing=bm.num_blocks_saved_by_sharing,
-            num_cow_copies=len(sched.blocks_to_copy),
-            num_prefix_query_tokens=bm.prefix_queries - queries,
-            num_prefix_hit_tokens=bm.prefix_hits - hits, wait_time=self._wait_time)
-        if sched.swapped_out or sched.swapped_in:
-            record.swapped_out = list(dict.fromkeys(s.request_id for s in sched.swapped_out))
-            record.swapped_in = list(dict.fromkeys(s.request_id for s in sched.swapped_in))
-            record.num_swapped_bytes = self.block_bytes * (len(sched.blocks_to_swap_out)
-                                                           + len(sched.blocks_to_swap_in))
-        if self.scheduler.num_preemptions:  # prefill work that a recompute preemption caused
-            record.num_recomputed_tokens = sum(
-                max(0, min(s.seq.num_computed_tokens, s.seq.recompute_until)
-                    - (s.seq.num_computed_tokens - s.num_new_tokens))
-                for s in sched.scheduled if s.seq.recompute_until)
-        if self.config.record_block_tables:
-            record.usage = bm.usage()
-            record.block_tables = {s.name: list(bm.block_tables[s.seq_id])
-                                   for s in self.scheduler.running}
-        self.trace.append(record)
+        self.trace.append(step_record(self, sched, finished, t0, bm.prefix_queries - queries,
+                                      bm.prefix_hits - hits))
         self._step_counter += 1

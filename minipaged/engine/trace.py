@@ -2,9 +2,11 @@
 
 Lessons 01 and 03 draw block tables, batch-composition Gantt charts and KV utilisation over time
 from these records, so every picture shows what the real scheduler and block manager did.
+`step_record` builds one from the step's SchedulerOutput and the engine's state after it.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
@@ -118,3 +120,45 @@ def summarize(trace: list[StepRecord]) -> dict:
         "recomputed_tokens": sum(r.num_recomputed_tokens for r in trace),
         "swapped_bytes": sum(r.num_swapped_bytes for r in trace),
     }
+
+
+def step_record(engine, sched, finished: list[str], t0: float, num_prefix_query_tokens: int,
+                num_prefix_hit_tokens: int) -> StepRecord:
+    """The StepRecord of the step `engine` (an LLMEngine) just ran from `sched` (its
+    SchedulerOutput): what ran, what the block manager holds now, what moved."""
+    bm = engine.block_manager
+    grouped = bool(engine.groups)  # name the samples and beams of groups ("request_id/index")
+    entries = [ScheduledEntry(s.seq.request_id, s.seq.seq_id,
+                              s.num_new_tokens if s.is_prefill else 0,
+                              0 if s.is_prefill else s.num_new_tokens,
+                              s.seq.num_computed_tokens - s.num_new_tokens,
+                              s.num_cached_tokens, s.seq.name if grouped else "")
+               for s in sched.scheduled]
+    cached = bm.allocator.num_cached_free
+    record = StepRecord(
+        step=engine._step_counter, start_time=t0 - engine._start,
+        duration=time.perf_counter() - t0, scheduled=entries,
+        preempted=list(dict.fromkeys(s.request_id for s in sched.preempted)), finished=finished,
+        num_waiting=len(engine.scheduler.waiting), num_running=len(engine.scheduler.running),
+        num_blocks_used=bm.num_blocks - bm.num_free_blocks,
+        num_blocks_free=bm.num_free_blocks - cached, num_blocks_cached=cached,
+        num_batched_tokens=sched.num_batched_tokens,
+        num_blocks_saved_by_sharing=bm.num_blocks_saved_by_sharing,
+        num_cow_copies=len(sched.blocks_to_copy),
+        num_prefix_query_tokens=num_prefix_query_tokens,
+        num_prefix_hit_tokens=num_prefix_hit_tokens, wait_time=engine._wait_time)
+    if sched.swapped_out or sched.swapped_in:
+        record.swapped_out = list(dict.fromkeys(s.request_id for s in sched.swapped_out))
+        record.swapped_in = list(dict.fromkeys(s.request_id for s in sched.swapped_in))
+        record.num_swapped_bytes = engine.block_bytes * (len(sched.blocks_to_swap_out)
+                                                       + len(sched.blocks_to_swap_in))
+    if engine.scheduler.num_preemptions:  # prefill work that a recompute preemption caused
+        record.num_recomputed_tokens = sum(
+            max(0, min(s.seq.num_computed_tokens, s.seq.recompute_until)
+                - (s.seq.num_computed_tokens - s.num_new_tokens))
+            for s in sched.scheduled if s.seq.recompute_until)
+    if engine.config.record_block_tables:
+        record.usage = bm.usage()
+        record.block_tables = {s.name: list(bm.block_tables[s.seq_id])
+                               for s in engine.scheduler.running}
+    return record
