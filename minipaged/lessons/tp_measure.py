@@ -59,7 +59,8 @@ def decode_sched(num_seqs: int, context_len: int, block_size: int, vocab: int):
                               token_ids=[(7 * i + 3 * p) % vocab for p in range(context_len)])
         items.append(SimpleNamespace(seq=seq, num_new_tokens=1, samples=True, spec_token_ids=[],
                                      block_table=list(range(i * per, (i + 1) * per))))
-    return SimpleNamespace(scheduled=items, blocks_to_copy=[]), num_seqs * per
+    return SimpleNamespace(scheduled=items, blocks_to_copy=[], blocks_to_swap_out=[],
+                           blocks_to_swap_in=[]), num_seqs * per
 
 
 def _best(fn, repeats: int, sync=None) -> tuple[float, float]:
