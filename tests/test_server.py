@@ -10,16 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
-from minipaged.cli.serve import build_app_from_args, load_chat_template, main, parse_args
+from minipaged.cli.serve import load_chat_template, main, parse_args
+from minipaged.lessons.server import InProcessServer
 from minipaged.server.metrics import parse_metrics
 from minipaged.server.reasoning import get_reasoning_parser
 
@@ -30,31 +28,9 @@ TEMPLATE = "{{ bos_token }}{% for m in messages %} {{ m['content'] }}{% endfor %
 PROMPT = "Once upon a time"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerThread:
-    """`minipaged serve ARGS` inside this process: uvicorn in a daemon thread."""
-
-    def __init__(self, *argv: str):
-        self.port = _free_port()
-        self.app = build_app_from_args(parse_args([*argv, "--port", str(self.port)]),
-                                       in_process=True)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.05)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+class ServerThread(InProcessServer):
+    """`minipaged serve ARGS` inside this process (uvicorn in a daemon thread, the lessons'
+    InProcessServer), with the engine core's engine in reach for the tests."""
 
     @property
     def engine(self):  # the LLMEngine inside the engine core
@@ -75,9 +51,6 @@ class ServerThread:
         assert idle, (f"not idle: {eng.get_num_unfinished_requests()} requests, "
                       f"{eng.block_manager.num_blocks - eng.block_manager.num_free_blocks} blocks used")
 
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
 
 
 @pytest.fixture(scope="module")
