@@ -1,8 +1,16 @@
 """Speculative decoding (lesson 10): proposers guess the next tokens, the target verifies them.
 
-`NgramProposer` (prompt lookup) finds the sequence's last n tokens earlier in the sequence and
-proposes what followed them; the verification rule lives in `minipaged/sampling/
-rejection_sampler.py`.
+Reading order:
+
+    config.py          `speculative_config` (vLLM's dict) checked, and what it cannot combine with
+    ngram_proposer.py  prompt lookup: the tokens that followed the sequence's last n tokens before
+    draft_proposer.py  a smaller model with the target's vocabulary guesses k tokens greedily
+    scheduler.py       a decode with proposals runs 1 + k tokens, slots reserved up front
+    engine_step.py     the engine step that replaces `LLMEngine.step`: propose, verify, roll back
+    verify.py          the target's logits at every proposed position -> the tokens a step emits
+    cuda_graphs.py     CUDA graphs for verify steps (k + 1 query tokens per sequence)
+
+The rule that keeps a guess or replaces it lives in `minipaged/sampling/rejection_sampler.py`.
 """
 from minipaged.spec_decode.ngram_proposer import NgramProposer
 
