@@ -139,7 +139,8 @@ class TorchRefBackend(AttentionBackend):
             vg = v_flat.index_select(0, g.slots.view(-1)).view(G, ctx, num_kv_heads, head_dim)
             kg = kg.view(k_cache.dtype).transpose(1, 2).to(q.dtype)  # (G, kv_heads, max_ctx, dim)
             vg = vg.view(v_cache.dtype).transpose(1, 2).to(q.dtype)
-            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=bias.to(q.dtype), scale=scale)
+            bias = bias.to(q.dtype)  # a no-op for fp32 models
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=bias, scale=scale)
             og = (og.view(G, num_kv_heads, max_q, group, head_dim).transpose(1, 2)
                   .reshape(G, max_q, num_heads, head_dim))  # (G, max_q, heads, dim)
             if plan.identity_order:
