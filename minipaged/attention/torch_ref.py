@@ -37,6 +37,7 @@ class _Group:
     valid: Optional[torch.Tensor]  # (G, max_q) bool, None when no row is padding
     slots: torch.Tensor  # (G, max_ctx) cache slot of every key position (0 where past the end)
     mask: torch.Tensor  # (G, 1, max_q, max_ctx) bool: True = may attend
+    bias: torch.Tensor  # (G, 1, max_q, max_ctx) the mask as 0 / -inf, added to the scores
 
 
 @dataclass
@@ -71,8 +72,11 @@ def build_group(metadata: AttentionMetadata, seq_ids: list[int]) -> _Group:
     blocks = tables[:, :n_blocks].repeat_interleave(bs, dim=1)[:, :max_ctx]  # (G, max_ctx)
     slots = blocks * bs + (k_pos % bs)[None, :]
     mask = (k_pos[None, None, :] <= q_abs[:, :, None]) & (k_pos[None, None, :] < ctx_len[:, :, None])
+    mask = mask[:, None]  # (G, 1, max_q, max_ctx)
+    # SDPA turns a bool mask into this float one on every call; once per step is enough
+    bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
     return _Group(token_index=token_index, valid=None if bool(valid.all()) else valid,
-                  slots=slots, mask=mask[:, None])  # (G, 1, max_q, max_ctx)
+                  slots=slots, mask=mask, bias=bias)
 
 
 def _slots(cache: torch.Tensor) -> torch.Tensor:
@@ -128,14 +132,15 @@ class TorchRefBackend(AttentionBackend):
             # the rows of one position share its mask row (a view when max_q is 1, a decode).
             qg = (qg.view(G, max_q, num_kv_heads, group, head_dim).transpose(1, 2)
                   .reshape(G, num_kv_heads, max_q * group, head_dim))  # (G, kv_heads, rows, dim)
-            mask = (g.mask[:, :, :, None, :].expand(G, 1, max_q, group, ctx)
+            bias = (g.bias[:, :, :, None, :].expand(G, 1, max_q, group, ctx)
                     .reshape(G, 1, max_q * group, ctx))  # (G, 1, rows, max_ctx)
             # index_select on the flat slot list is much faster than 2-D fancy indexing
             kg = k_flat.index_select(0, g.slots.view(-1)).view(G, ctx, num_kv_heads, head_dim)
             vg = v_flat.index_select(0, g.slots.view(-1)).view(G, ctx, num_kv_heads, head_dim)
             kg = kg.view(k_cache.dtype).transpose(1, 2).to(q.dtype)  # (G, kv_heads, max_ctx, dim)
             vg = vg.view(v_cache.dtype).transpose(1, 2).to(q.dtype)
-            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
+            bias = bias.to(q.dtype)  # a no-op for fp32 models
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=bias, scale=scale)
             og = (og.view(G, num_kv_heads, max_q, group, head_dim).transpose(1, 2)
                   .reshape(G, max_q, num_heads, head_dim))  # (G, max_q, heads, dim)
             if plan.identity_order:
