@@ -182,6 +182,7 @@ def test_verify_graph_buffers_front_padded_equal_hf(stories_hf):
     assert tokens(outs) == hf_greedy(stories_hf, prompts, lengths)
     assert len(ran) >= 2, ran  # verify steps went through the padded buffers ...
     assert any(q != [4] * len(q) for q in ran), ran  # ... some with padded rows
+    assert any(q == [4] * len(q) for q in ran), ran  # ... some with every query full
 
 
 def test_mixed_batch_some_requests_do_not_speculate(stories_hf):
