@@ -184,22 +184,25 @@ class SpeculativeDecoding:
         bm = eng.block_manager
         tokens, accepted = verify(logits, entries, starts,
                                   eng.sampler._engine_generator(logits.device))
-        for s, emitted, a in zip(entries, tokens, accepted):
-            seq = s.seq
+        for s, a in zip(entries, accepted):
             k = len(s.spec_token_ids)
             if k:
+                seq = s.seq
                 seq.spec_token_ids = []
                 seq.num_computed_tokens += a  # rollback: the accepted proposals' K/V stay
                 seq.num_draft_tokens += k
                 seq.num_accepted_tokens += a
                 self.stats.add(k, a)
-            for token in emitted:  # stop where a stop check says so: the rest is dropped
-                if seq.is_finished:
-                    break
-                eng._process([seq], SamplerOutput(token_ids=[token]), outputs, finished)
-            if k and seq.status is SequenceStatus.RUNNING:
-                bm.free_trailing_blocks(seq)  # blocks holding only rejected slots
-                bm.cache_full_blocks(seq)  # blocks the accepted proposals filled
+        # Token i of every entry in one call, i = 0, 1, ...: each sequence's tokens still go
+        # through the stop checks in order, and once one stops it, `_process` skips the rest.
+        for i in range(max(map(len, tokens))):
+            rows = [(s.seq, t[i]) for s, t in zip(entries, tokens) if len(t) > i]
+            eng._process([seq for seq, _ in rows], SamplerOutput(token_ids=[t for _, t in rows]),
+                         outputs, finished)
+        for s in entries:
+            if s.spec_token_ids and s.seq.status is SequenceStatus.RUNNING:
+                bm.free_trailing_blocks(s.seq)  # blocks holding only rejected slots
+                bm.cache_full_blocks(s.seq)  # blocks the accepted proposals filled
         return [a for s, a in zip(entries, accepted) if s.spec_token_ids]
 
     def _trace(self, spec: list, before: dict[int, int], accepted: list[int]) -> None:
