@@ -182,6 +182,7 @@ def test_verify_graph_buffers_front_padded_equal_hf(stories_hf):
     assert tokens(outs) == hf_greedy(stories_hf, prompts, lengths)
     assert len(ran) >= 2, ran  # verify steps went through the padded buffers ...
     assert any(q != [4] * len(q) for q in ran), ran  # ... some with padded rows
+    assert any(q == [4] * len(q) for q in ran), ran  # ... some with every query full
 
 
 def test_mixed_batch_some_requests_do_not_speculate(stories_hf):
@@ -562,3 +563,64 @@ def test_speculation_with_lora_adapters_keeps_each_adapters_tokens(tmp_path):
             accepted = llm.engine.spec_decode.stats.num_accepted_tokens
     assert accepted > 0
     assert outs[0] == outs[1]
+
+
+def test_greedy_verify_matches_the_rejection_rule():
+    """`verify_greedy` (the argmaxes compared on the host) decides rows of k = 0..4, read at
+    their own offsets among rows it must skip, as `rejection_sample`'s greedy rule does on the
+    softmax: guesses kept while they equal the argmax, then the argmax."""
+    from types import SimpleNamespace
+    from minipaged.sampling.rejection_sampler import rejection_sample
+    from minipaged.spec_decode.verify import verify_greedy
+    g = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
+    ks = [0, 1, 4, 2, 3, 4, 0, 4]
+    starts, row = [], 1  # row 0, and one row after every third entry, belong to no entry
+    for i, k in enumerate(ks):
+        starts.append(row)
+        row += k + 1 + (i % 3 == 2)
+    logits = torch.randn(row, 512, generator=g)
+    argmax = logits.argmax(dim=-1).tolist()
+    entries = []
+    for start, k in zip(starts, ks):
+        drafts = argmax[start:start + k]
+        miss = rng.randint(0, k)  # k: every guess right
+        if miss < k:
+            drafts[miss] = (drafts[miss] + 1 + rng.randrange(511)) % 512
+        entries.append(SimpleNamespace(spec_token_ids=drafts))
+    tokens, accepted = verify_greedy(logits, entries, starts)
+    max_k = max(ks)
+    index = torch.tensor([[s + min(i, k) for i in range(max_k + 1)] for s, k in zip(starts, ks)])
+    drafts = torch.tensor([e.spec_token_ids + [-1] * (max_k - len(e.spec_token_ids))
+                           for e in entries])
+    output, num_accepted = rejection_sample(logits[index].softmax(dim=-1), drafts,
+                                            torch.tensor(ks), None,
+                                            torch.ones(len(ks), dtype=torch.bool))
+    assert accepted == num_accepted.tolist()
+    assert tokens == [row[:a + 1] for row, a in zip(output.tolist(), accepted)]
+    assert 0 < sum(accepted) < sum(ks)
+
+
+def test_greedy_verify_steps_take_no_sampler_and_no_rejection_kernels(stories_hf, monkeypatch):
+    """An all-greedy step with proposals decides every row from one argmax: no rejection
+    sampling, and its greedy rows without proposals ride along instead of a second sampler
+    pass (a second host read on a GPU). Tokens: HF greedy's."""
+    import minipaged.spec_decode.verify as verify_module
+    monkeypatch.setattr(verify_module, "rejection_sample", None)  # a call would raise
+    ks_seen = []
+    real = verify_module.verify_greedy
+    monkeypatch.setattr(verify_module, "verify_greedy", lambda logits, entries, starts: (
+        ks_seen.append([len(e.spec_token_ids) for e in entries]) or real(logits, entries, starts)))
+    prompts = prompts_of(8, 3)
+    lengths = [random.Random(i).randint(10, 30) for i in range(len(prompts))]
+    llm = LLM("stories260K", block_size=8, speculative_config=ngram(3))
+    eng = llm.engine
+    sampled = []
+    real_sample = eng._sample_and_process
+    eng._sample_and_process = lambda logits, seqs: (
+        sampled.append(len(eng.trace)) or real_sample(logits, seqs))
+    outs = llm.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)
+    assert tokens(outs) == hf_greedy(stories_hf, prompts, lengths)
+    assert any(0 in ks and max(ks) > 0 for ks in ks_seen), ks_seen  # mixed steps happened
+    spec_steps = {i for i, r in enumerate(eng.trace) if sum(r.num_draft_tokens_per_pos)}
+    assert spec_steps and not spec_steps & set(sampled)  # steps with proposals: no sampler

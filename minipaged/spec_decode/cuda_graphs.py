@@ -97,15 +97,22 @@ class VerifyGraphRunner:
         b, q = metadata.num_seqs, self.q
         bs = next(s for s in self.sizes if s >= b)
         t = bs * q
-        # Padded row of each real token: sequence r's n tokens end its q rows.
-        rows = to_device([(r + 1) * q - n + i for r, n in enumerate(metadata.query_lens)
-                          for i in range(n)], self.device, torch.int64)  # (num_tokens,)
-        self.input_ids[:t].zero_()
-        self.positions[:t].zero_()
-        self.slot_mapping[:t].fill_(-1)
-        self.input_ids.index_copy_(0, rows, input_ids)
-        self.positions.index_copy_(0, rows, positions)
-        self.slot_mapping.index_copy_(0, rows, metadata.slot_mapping)
+        if all(n == q for n in metadata.query_lens):  # every query full: no padding rows
+            rows = None
+            self.input_ids[:b * q].copy_(input_ids)
+            self.positions[:b * q].copy_(positions)
+            self.slot_mapping[:b * q].copy_(metadata.slot_mapping)
+            self.slot_mapping[b * q:t].fill_(-1)  # padding sequences store nothing
+        else:
+            # Padded row of each real token: sequence r's n tokens end its q rows.
+            rows = to_device([(r + 1) * q - n + i for r, n in enumerate(metadata.query_lens)
+                              for i in range(n)], self.device, torch.int64)  # (num_tokens,)
+            self.input_ids[:t].zero_()
+            self.positions[:t].zero_()
+            self.slot_mapping[:t].fill_(-1)
+            self.input_ids.index_copy_(0, rows, input_ids)
+            self.positions.index_copy_(0, rows, positions)
+            self.slot_mapping.index_copy_(0, rows, metadata.slot_mapping)
         self.context_lens[:b].copy_(metadata.context_lens, non_blocking=True)
         self.context_lens[b:bs].fill_(0)
         width = metadata.block_tables.shape[1]
@@ -115,4 +122,4 @@ class VerifyGraphRunner:
             hidden = self.outputs[bs]
         else:  # not captured (tests on the CPU): the same static buffers, eagerly
             hidden = self._forward(bs)
-        return hidden[rows]
+        return hidden[:b * q] if rows is None else hidden[rows]

@@ -10,7 +10,9 @@
     forward        the target scores the newest token and the k proposals in one short query
                    (the chunked-prefill path); the runner returns logits at all k + 1 positions
     verify         rows without proposals sample as always (the engine's sampler, every
-                   feature); speculating rows go through `verify.py` (rejection sampling)
+                   feature); speculating rows go through `verify.py` (rejection sampling; an
+                   all-greedy step only compares argmaxes, and takes its greedy rows without
+                   proposals along, so it reads the GPU once)
     rollback       num_computed_tokens = the accepted length: the K/V of rejected proposals
                    are garbage that the next step overwrites; blocks that hold only rejected
                    slots go back to the free queue (`BlockManager.free_trailing_blocks`).
@@ -120,11 +122,16 @@ class SpeculativeDecoding:
         for s in sched.scheduled:  # speculating rows: only the newest token is known good yet
             s.seq.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids)
             eng.block_manager.cache_full_blocks(s.seq)
-        plain_rows, spec_rows = self._split_rows(sched)
-        plain = [s.seq for s in sched.scheduled if s.samples and not s.spec_token_ids]
-        outputs, finished = eng._sample_and_process(
-            logits if not spec else logits[plain_rows], plain)
-        accepted = self.verify_and_emit(logits[spec_rows], spec, outputs, finished) if spec else []
+        if not spec:  # a step without proposals: the engine's own sampling
+            outputs, finished = eng._sample_and_process(
+                logits, [s.seq for s in sched.scheduled if s.samples])
+            accepted = []
+        else:
+            greedy = all(s.seq.sampling_params.greedy for s in spec)
+            verified, starts, plain, plain_rows = self._split_rows(sched, greedy)
+            outputs, finished = (eng._sample_and_process(logits[plain_rows], plain) if plain
+                                 else ([], []))
+            accepted = self.verify_and_emit(logits, verified, starts, outputs, finished)
         eng._record(sched, finished, t0)
         if spec:
             self._trace(spec, before, accepted)
@@ -148,41 +155,55 @@ class SpeculativeDecoding:
                 seq.spec_token_ids = [-1] * k
 
     @staticmethod
-    def _split_rows(sched: SchedulerOutput) -> tuple[list[int], list[int]]:
-        """Logits rows of the plain sampling sequences and of the speculating ones."""
-        plain, spec, row = [], [], 0
+    def _split_rows(sched: SchedulerOutput, greedy: bool):
+        """The step's sampling rows split in two: the verified ones with the logits row each
+        starts at, and the plain ones (the engine's sampler, every feature) with their rows.
+        Verified: the entries with proposals and, when those are all greedy (`greedy`), the
+        greedy rows without: `verify_greedy` takes the argmax the sampler would, in the same
+        pass (one host read a step, not two)."""
+        verified, starts, plain, plain_rows, row = [], [], [], [], 0
         for s in sched.scheduled:
             if not s.samples:
                 continue
-            n = 1 + len(s.spec_token_ids)
-            (spec if s.spec_token_ids else plain).extend(range(row, row + n))
-            row += n
-        return plain, spec
+            if s.spec_token_ids or (greedy and s.seq.sampling_params.greedy
+                                    and can_speculate(s.seq)):
+                verified.append(s)
+                starts.append(row)
+            else:
+                plain.append(s.seq)
+                plain_rows.append(row)
+            row += 1 + len(s.spec_token_ids)
+        return verified, starts, plain, plain_rows
 
-    def verify_and_emit(self, logits: torch.Tensor, spec: list, outputs: list[RequestOutput],
-                        finished: list[str]) -> list[int]:
-        """Rejection-sample the speculating rows, roll their caches back to what was accepted,
-        and append the tokens through the engine's stop checks; returns each row's number of
-        accepted proposals."""
+    def verify_and_emit(self, logits: torch.Tensor, entries: list, starts: list[int],
+                        outputs: list[RequestOutput], finished: list[str]) -> list[int]:
+        """Rejection-sample the verified rows (`starts`: each one's first row of `logits`), roll
+        their caches back to what was accepted, and append the tokens through the engine's stop
+        checks; returns the number of accepted proposals of each entry with proposals."""
         eng = self.engine
         bm = eng.block_manager
-        tokens, accepted = verify(logits, spec, eng.sampler._engine_generator(logits.device))
-        for s, emitted, a in zip(spec, tokens, accepted):
-            seq = s.seq
+        tokens, accepted = verify(logits, entries, starts,
+                                  eng.sampler._engine_generator(logits.device))
+        for s, a in zip(entries, accepted):
             k = len(s.spec_token_ids)
-            seq.spec_token_ids = []
-            seq.num_computed_tokens += a  # rollback: the accepted proposals' K/V stay
-            seq.num_draft_tokens += k
-            seq.num_accepted_tokens += a
-            self.stats.add(k, a)
-            for token in emitted:  # stop where a stop check says so: the rest is dropped
-                if seq.is_finished:
-                    break
-                eng._process([seq], SamplerOutput(token_ids=[token]), outputs, finished)
-            if seq.status is SequenceStatus.RUNNING:
-                bm.free_trailing_blocks(seq)  # blocks holding only rejected slots
-                bm.cache_full_blocks(seq)  # blocks the accepted proposals filled
-        return accepted
+            if k:
+                seq = s.seq
+                seq.spec_token_ids = []
+                seq.num_computed_tokens += a  # rollback: the accepted proposals' K/V stay
+                seq.num_draft_tokens += k
+                seq.num_accepted_tokens += a
+                self.stats.add(k, a)
+        # Token i of every entry in one call, i = 0, 1, ...: each sequence's tokens still go
+        # through the stop checks in order, and once one stops it, `_process` skips the rest.
+        for i in range(max(map(len, tokens))):
+            rows = [(s.seq, t[i]) for s, t in zip(entries, tokens) if len(t) > i]
+            eng._process([seq for seq, _ in rows], SamplerOutput(token_ids=[t for _, t in rows]),
+                         outputs, finished)
+        for s in entries:
+            if s.spec_token_ids and s.seq.status is SequenceStatus.RUNNING:
+                bm.free_trailing_blocks(s.seq)  # blocks holding only rejected slots
+                bm.cache_full_blocks(s.seq)  # blocks the accepted proposals filled
+        return [a for s, a in zip(entries, accepted) if s.spec_token_ids]
 
     def _trace(self, spec: list, before: dict[int, int], accepted: list[int]) -> None:
         """This step's proposals and acceptances in its StepRecord; the verify rows' cache

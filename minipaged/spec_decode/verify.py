@@ -8,6 +8,11 @@ p_1..p_{k+1}; `rejection_sample` (sampling/rejection_sampler.py) then keeps the 
 rule accepts and adds one corrected or bonus token. Proposals are deterministic here (prompt
 lookup, or a draft model's argmax), so their q is one-hot and no draft probabilities are needed.
 
+A step whose speculating rows are all greedy needs none of that (`verify_greedy`): the target's
+argmax at every position, read once, decides it on the host (keep guesses while they equal it,
+then emit it), exactly what the sampler's greedy rows take, with no softmax, no draws and no
+rejection-sampling kernels.
+
 Which requests speculate (`can_speculate`): plain ones. A request that needs something a
 verified position cannot give it yet (logprobs, penalties, min_tokens not reached, a grammar)
 decodes one token at a time in the same batch, through the ordinary sampler.
@@ -62,23 +67,23 @@ def target_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return scaled.softmax(dim=-1)
 
 
-def verify(logits: torch.Tensor, entries: list[ScheduledSeq], engine_generator: torch.Generator
-           ) -> tuple[list[list[int]], list[int]]:
-    """Decide every speculating row of the step at once.
+def verify(logits: torch.Tensor, entries: list[ScheduledSeq], starts: list[int],
+           engine_generator: torch.Generator) -> tuple[list[list[int]], list[int]]:
+    """Decide every verified row of the step at once.
 
-    logits: (sum of (k_r + 1), vocab), row r's k_r + 1 positions one after another.
-    Returns each row's emitted tokens (accepted proposals, then the corrected or bonus token)
+    logits: (step rows, vocab), the step's logits; entry r's k_r + 1 positions are rows
+    starts[r] .. starts[r] + k_r (k_r = 0: a greedy row without proposals, just its argmax).
+    Returns each entry's emitted tokens (accepted proposals, then the corrected or bonus token)
     and its number of accepted proposals.
     """
+    seqs = [s.seq for s in entries]
+    if all(seq.sampling_params.greedy for seq in seqs):
+        return verify_greedy(logits, entries, starts)
     device = logits.device
     ks = [len(s.spec_token_ids) for s in entries]
     max_k = max(ks)
     # (rows, max_k + 1) indices into logits; a shorter row repeats its last position (unread).
-    index, start = [], 0
-    for k in ks:
-        index.append([start + min(i, k) for i in range(max_k + 1)])
-        start += k + 1
-    seqs = [s.seq for s in entries]
+    index = [[start + min(i, k) for i in range(max_k + 1)] for start, k in zip(starts, ks)]
     probs = target_probs(logits[to_device(index, device, torch.long)], seqs)
     drafts = to_device([s.spec_token_ids + [-1] * (max_k - len(s.spec_token_ids))
                         for s in entries], device, torch.long)  # (rows, max_k), -1 padded
@@ -92,8 +97,29 @@ def verify(logits: torch.Tensor, entries: list[ScheduledSeq], engine_generator: 
             generators.append(seq.generator)
         else:
             generators.append(None)
+    greedy_mask = to_device(greedy, device, torch.bool) if any(greedy) else None
     output, num_accepted = rejection_sample(
-        probs, drafts, to_device(ks, device, torch.long), None,
-        to_device(greedy, device, torch.bool), generators, generator=engine_generator)
+        probs, drafts, to_device(ks, device, torch.long), None, greedy_mask, generators,
+        generator=engine_generator)
     rows = torch.cat([num_accepted[:, None], output], dim=1).tolist()  # one host sync
     return [row[1:row[0] + 2] for row in rows], [row[0] for row in rows]
+
+
+def verify_greedy(logits: torch.Tensor, entries: list[ScheduledSeq], starts: list[int]
+                  ) -> tuple[list[list[int]], list[int]]:
+    """`verify` for greedy rows: keep each guess while it equals the target's argmax at its
+    position, then emit the argmax after the last kept one (corrected or bonus token).
+
+    The argmax of the raw logits is the token the sampler's greedy rows take, so the output is
+    the plain greedy decode's. (Rows of `logits` that no entry reads are argmaxed too: one
+    kernel over every row costs less than gathering the verified ones first.)"""
+    targets = logits.argmax(dim=-1).tolist()  # (step rows,), the step's one host read
+    tokens, accepted = [], []
+    for s, start in zip(entries, starts):
+        drafts = s.spec_token_ids
+        a = 0
+        while a < len(drafts) and drafts[a] == targets[start + a]:
+            a += 1
+        tokens.append(targets[start:start + a + 1])  # the kept guesses equal the argmax
+        accepted.append(a)
+    return tokens, accepted
