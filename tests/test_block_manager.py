@@ -4,10 +4,14 @@ unit tests for the prefix cache, LRU eviction and the `usage()` accounting.
 The state machine drives `BlockManager` the way the scheduler and engine do (admit with
 `get_computed_blocks + can_allocate + allocate`, grow with `can_append + append_slots`, then the
 engine's post-step rule `num_computed_tokens += n; cache_full_blocks(seq)`), plus `fork` and
-`free`. Beside the manager it keeps its own model of what every physical block holds (the token
-ids written into its slots and the token prefix before it), so it can check that a prefix-cache
-hit really holds the request's tokens and that no write ever lands in a block another sequence
-reads.
+`free`, and the same-step cases of publishing at allocation: two requests of one prompt in one
+pass (the second hits the first's blocks before they are computed; or that step's forward
+raises) and a sequence preempted in the pass that planned it. Beside the manager it keeps its
+own model of what every physical block holds (the token ids written into its slots and the
+token prefix before it), so it can check that a prefix-cache hit really holds the request's
+tokens, that between steps every published block holds its tokens, and that no write ever lands
+in a block another sequence reads (except the one computing a block another admission of the
+same pass hit).
 """
 from __future__ import annotations
 
@@ -87,7 +91,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for pos in range(start, start + n):
             i, off = divmod(pos, self.bs)
             b = table[i]
-            assert self.bm.allocator.blocks[b].ref_count == 1, (
+            # Shared only with an admission of the same pass that hit it (published at
+            # allocation, vLLM V1): the readers want exactly what this write puts there.
+            assert (self.bm.allocator.blocks[b].ref_count == 1
+                    or self.bm._uncomputed.get(b, (None,))[0] is seq), (
                 f"seq {seq.seq_id} writes position {pos} into block {b}, which has ref_count "
                 f"{self.bm.allocator.blocks[b].ref_count}: copy-on-write missed")
             assert len(self.slots[b]) >= off, "a write skips slots"
@@ -169,6 +176,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         copies = self.bm.append_slots(seq, n)
         table = self.bm.block_tables[seq.seq_id]
         assert len(table) == self._blocks_for(seq.num_computed_tokens + n)
+        full = min(seq.num_computed_tokens + n, seq.num_tokens) // self.bs
+        assert len(self.bm._hashes[seq.seq_id]) == (full if self.prefix_caching else 0), (
+            "append_slots publishes the full blocks this step fills (cache_blocks)")
         if shared:
             assert copies == [(old[idx], table[idx])], f"expected one CoW of block {old[idx]}, got {copies}"
             assert table[idx] != old[idx]
@@ -187,6 +197,80 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if idx < len(table):
             assert self.bm.allocator.blocks[table[idx]].ref_count == 1
         self._compute(seq, n)
+
+    @rule(base=st.sampled_from(BASES), cut=st.integers(1, 12), tail=st.lists(TOKEN, max_size=3),
+          runs=st.booleans(), data=st.data())
+    def admit_together(self, base, cut, tail, runs, data):
+        """Two requests of one prompt in one scheduling pass: the second hits the full blocks
+        the first was just given slots for (published at allocation). `runs=False`: the step's
+        forward raises; the next pass (`drop_uncomputed_blocks`) must unpublish those blocks and
+        cut the second request back to the blocks before them."""
+        prompt = base[:cut] + tail
+        self.names += 2
+        a, b = make_seq(prompt, f"r{self.names - 1}"), make_seq(prompt, f"r{self.names}")
+        hits_a, cached_a = self.bm.get_computed_blocks(a)
+        n_a = data.draw(st.integers(1, len(prompt) - cached_a), label="chunk a")
+        if not self.bm.can_allocate(a, hits_a, n_a):
+            return
+        used_before = set(self._refs())
+        self.bm.allocate(a, hits_a, n_a)
+        table_a = self.bm.block_tables[a.seq_id]
+        self._fresh(table_a[len(hits_a):], used_before)
+        self.seqs[a.seq_id] = a
+        self.origin[a.seq_id] = ["hit"] * len(hits_a) + ["fresh"] * (len(table_a) - len(hits_a))
+        hits_b, cached_b = self.bm.get_computed_blocks(b)
+        if self.prefix_caching:  # a's blocks filled by this step are found already
+            expect = min(cached_a + n_a, len(prompt) - 1) // self.bs
+            assert len(hits_b) >= expect
+            assert [h.block_id for h in hits_b[:expect]] == table_a[:expect]
+        n_b = len(prompt) - cached_b
+        if not self.bm.can_allocate(b, hits_b, n_b):
+            if not runs:
+                self.bm.drop_uncomputed_blocks()
+            self._compute(a, n_a)
+            return
+        used_before = set(self._refs())
+        self.bm.allocate(b, hits_b, n_b)
+        table_b = self.bm.block_tables[b.seq_id]
+        self._fresh(table_b[len(hits_b):], used_before)
+        self.seqs[b.seq_id] = b
+        self.origin[b.seq_id] = ["hit"] * len(hits_b) + ["fresh"] * (len(table_b) - len(hits_b))
+        event(f"admit together: {'runs' if runs else 'forward raises'}, "
+              f"{'same-step hit' if cached_b > cached_a else 'no same-step hit'}")
+        if not runs:
+            self.bm.drop_uncomputed_blocks()  # the next pass; then the step is tried again
+            self._compute(a, n_a)
+            if b.num_computed_tokens == cached_b:  # its hits were all computed before
+                self._compute(b, n_b)
+                return
+            assert b.num_computed_tokens <= cached_a, "kept a hit on an unrun block"
+            table_b = self.bm.block_tables[b.seq_id]
+            assert len(table_b) == self._blocks_for(b.num_computed_tokens)
+            del self.origin[b.seq_id][len(table_b):]
+            self._append(b, b.num_uncomputed_tokens)
+            return
+        self._compute(a, n_a)
+        self._compute(b, n_b)
+
+    @precondition(lambda self: self.seqs)
+    @rule(new_tokens=st.lists(TOKEN, min_size=1, max_size=5), data=st.data())
+    def plan_then_preempt(self, new_tokens, data):
+        """A sequence is given slots for its next tokens (their full blocks are published),
+        then preempted in the same pass, before any forward: freed uncomputed."""
+        seq = self._pick(data)
+        for t in new_tokens:
+            seq.append_token(t)
+        n = seq.num_uncomputed_tokens
+        if not self.bm.can_append(seq, n):
+            return
+        used_before = set(self._refs())
+        old = list(self.bm.block_tables[seq.seq_id])
+        self.bm.append_slots(seq, n)
+        table = self.bm.block_tables[seq.seq_id]
+        fresh = [b for i, b in enumerate(table) if i >= len(old) or b != old[i]]
+        self._fresh(fresh, used_before)
+        self.bm.free(seq)  # (an invariant checks no published block holds unwritten slots)
+        del self.seqs[seq.seq_id], self.origin[seq.seq_id]
 
     @precondition(lambda self: self.seqs)
     @rule(token=TOKEN, data=st.data())
@@ -270,6 +354,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert u.num_slots_allocated == len(refs) * self.bs
         assert u.internal_fragmentation == len(refs) * self.bs - sum(filled.values())
         assert u.num_free_blocks + u.num_cached_blocks == bm.num_free_blocks
+        # Between steps the prefix cache publishes only blocks whose slots hold their tokens.
+        assert not bm._uncomputed, "a block published at allocation outlived its step"
+        for h, b in bm.allocator.hash_to_block.items():
+            block = bm.allocator.blocks[b]
+            assert self.slots.get(b) == list(block.token_ids), (
+                f"published block {b} holds {self.slots.get(b)}, its hash says {block.token_ids}")
         if not self.prefix_caching:
             assert u.num_cached_blocks == 0
 

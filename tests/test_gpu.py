@@ -102,6 +102,24 @@ def test_sampling_kernel_matches_softmax_on_gpu():
     assert chi2 < 30.0, (counts / n, probs)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_same_step_prefix_hits_on_gpu(async_scheduling):
+    """8 requests of one 100-token prompt arriving together (CUDA graphs, Triton kernels): the
+    later ones hit the first one's 6 full blocks in the same step (published at allocation,
+    filled by that forward before any attention reads them) and equal HF."""
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()
+    hf = load_hf_model(str(resolve_builtin("stories260K")), torch.float32, "cuda")
+    prompt = [1] + [(7 * i) % 509 + 3 for i in range(99)]
+    llm = LLM("stories260K", device="cuda", block_size=16, enable_prefix_caching=True,
+              gpu_memory_utilization=0.05, async_scheduling=async_scheduling)
+    outs = llm.generate([prompt] * 8, SamplingParams(temperature=0, max_tokens=32,
+                                                     ignore_eos=True), use_tqdm=False)
+    assert [e.num_cached_tokens for e in llm.trace[0].scheduled] == [0] + [96] * 7
+    assert [o.outputs[0].token_ids for o in outs] == _greedy_hf(hf, [prompt], 32) * 8
+
+
 def test_async_scheduling_equals_sync_on_gpu(tmp_path):
     """Greedy and seeded requests end the same with and without async scheduling (CUDA graphs
     on), including stops read a step late."""

@@ -8,6 +8,7 @@ plan it makes.
 """
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from minipaged.engine.block_manager import BlockManager
@@ -51,7 +52,10 @@ def check_step(sched: Scheduler, out: SchedulerOutput, waiting_before: list[Sequ
         assert len(table) * bm.block_size >= seq.num_computed_tokens + s.num_new_tokens
         if seq.num_computed_tokens < len(table) * bm.block_size:
             landing = table[seq.num_computed_tokens // bm.block_size]
-            assert bm.allocator.blocks[landing].ref_count == 1
+            # Shared only if this step fills it and a later admission hit it (published at
+            # allocation): the readers want exactly what this sequence writes.
+            assert (bm.allocator.blocks[landing].ref_count == 1
+                    or bm._uncomputed.get(landing, (None,))[0] is seq)
     for i, victim in enumerate(reversed(out.preempted)):
         assert victim.status is SequenceStatus.WAITING
         assert victim not in sched.running and victim not in seqs
@@ -94,6 +98,7 @@ def place_running(sched: Scheduler, seq: Sequence, num_computed: int, decoding: 
     sampled token to compute)."""
     sched.block_manager.allocate(seq, [], num_computed)
     seq.num_computed_tokens = num_computed
+    sched.block_manager.cache_full_blocks(seq)  # (the engine's post-step rule)
     if decoding:
         assert num_computed == seq.num_tokens
         seq.append_token(9)
@@ -254,6 +259,27 @@ def test_preempting_a_decode_already_scheduled_this_step():
     assert plan(out) == [("a", 7), ("c", 1)]
     assert b.status is SequenceStatus.WAITING and b.seq_id not in sched.block_manager.block_tables
     assert a.num_computed_tokens == 12 and c.num_computed_tokens == 3
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_block_planned_then_preempted_in_the_same_pass_is_unpublished(mode):
+    """As above, with the prefix cache: b's decode fills its block, which is published when the
+    slot is allocated; then b is preempted before any forward ran. Its block must leave the
+    prefix cache and b's hash chain (swap_in would publish the hashes it keeps, over a copy
+    whose last slot was never written)."""
+    bm = BlockManager(4, 4, enable_prefix_caching=True)
+    bm.enable_swap(8)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=8, preemption_mode=mode)
+    a, c, b = make_seq(range(30), "a"), make_seq(range(10), "c"), make_seq([1, 2, 3], "b")
+    place_running(sched, a, 5, decoding=False)
+    place_running(sched, c, 2, decoding=False)
+    place_running(sched, b, 3, decoding=True)
+    out = sched.schedule()
+    assert out.preempted == [b] and (out.swapped_out == [b]) == (mode == "swap")
+    assert all(owner is not b for owner, _, _ in bm._uncomputed.values())  # a's chunk's are left
+    assert bm.get_computed_blocks(make_seq([1, 2, 3, 9, 0]))[1] == 0
+    if mode == "swap":
+        assert bm._hashes[b.seq_id] == []
 
 
 def test_a_lone_sequence_that_cannot_grow_preempts_itself():

@@ -4,7 +4,10 @@ The prompt of an n-sample request is prefilled once; when it samples its first t
 forks it into n sequences that share every block (`BlockManager.fork`), and the first write into
 the shared, partly filled last block copies it (copy-on-write). These tests check the block
 tables step by step, that each sample is the request it would be alone (seed + index), the
-request-level reporting, aborts, and the trace's sharing and prefix-cache numbers.
+request-level reporting, aborts, and the trace's sharing and prefix-cache numbers. Then the
+prefix cache's same-step hits (a block is published when its slots are allocated, vLLM V1):
+requests of one prompt arriving together prefill its full blocks once, a chunk publishes only
+the blocks it covers, and a forward that raises leaves no block published.
 """
 import pytest
 
@@ -183,9 +186,9 @@ def test_prefix_cache_statistics_for_a_shared_system_prompt():
 def test_n_samples_fork_against_n_requests_through_the_prefix_cache():
     """Lesson 06's comparison: vLLM V1 has no fork; it turns n > 1 into n requests that share
     the prompt's full blocks through the prefix cache. The same samples either way; the fork
-    prefills the prompt once; n requests a step apart compute each tail again; n requests
-    admitted together share nothing here, because minipaged publishes a block after computing
-    it (V1 publishes at allocation)."""
+    prefills the prompt once; n requests compute each tail again, whether they arrive together
+    (the later ones hit the first one's blocks in the same step: a block is published when its
+    slots are allocated, as in V1) or a step apart (one step more)."""
     from minipaged.lessons.sharing import n_samples_two_ways
     prompt = list(range(3, 3 + 13))  # 13 tokens: 3 full blocks of 4, then 1
     n, bs = 3, 4
@@ -193,9 +196,130 @@ def test_n_samples_fork_against_n_requests_through_the_prefix_cache():
     assert fork.outputs == together.outputs == ahead.outputs
     assert len(fork.outputs) == n and all(len(o) == 6 for o in fork.outputs)
     assert fork.prefill_tokens == len(prompt) and fork.cow_copies == n - 1
-    assert together.prefill_tokens == n * len(prompt) and together.prefix_hit_tokens == 0
-    assert together.saving == 0.0
     full = len(prompt) // bs * bs
-    assert ahead.prefix_hit_tokens == (n - 1) * full and ahead.cow_copies == 0
-    assert ahead.prefill_tokens == len(prompt) + (n - 1) * (len(prompt) - full)
-    assert max(ahead.peak_blocks, fork.peak_blocks) < together.peak_blocks
+    for way in (together, ahead):
+        assert way.prefix_hit_tokens == (n - 1) * full and way.cow_copies == 0
+        assert way.prefill_tokens == len(prompt) + (n - 1) * (len(prompt) - full)
+    assert together.steps == ahead.steps - 1 == fork.steps
+
+
+# --- same-step prefix hits (vLLM V1 publishes a block when its slots are allocated) ----------
+STORY = [1] + [(37 * i) % 500 + 3 for i in range(63)]  # 64 tokens: 4 full blocks of 16
+
+
+@pytest.fixture(scope="module")
+def stories_hf():
+    from minipaged.lessons.baseline import load_hf_model
+    from minipaged.models.loader import resolve_builtin
+    return load_hf_model(str(resolve_builtin("stories260K")))
+
+
+def _greedy(n=8):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+@pytest.mark.parametrize("backend", ["torch_ref", "triton"])
+def test_requests_arriving_together_prefill_the_shared_prompt_once(stories_hf, backend):
+    """4 requests of one 64-token prompt admitted in one step: the first computes the 4 blocks,
+    the other three hit its first 3 (published as their slots were allocated, filled by the same
+    forward before any attention reads them) and compute only the last block (its last token
+    must be computed to sample). The tokens equal each request alone and HF."""
+    n = 8
+    if backend == "triton":  # the kernels, under the interpreter on a CPU (tests/conftest.py)
+        pytest.importorskip("triton")
+        n = 2
+    from tests.helpers import hf_greedy
+    llm = LLM("stories260K", block_size=16, enable_prefix_caching=True,
+              attention_backend=backend)
+    outs = llm.generate([STORY] * 4, _greedy(n), use_tqdm=False)
+    first = llm.trace[0]
+    assert [e.num_cached_tokens for e in first.scheduled] == [0, 48, 48, 48]
+    assert first.num_prefix_hit_tokens == 3 * 48
+    prefill = sum(r.num_prefill_tokens for r in llm.trace)
+    assert prefill == 64 + 3 * 16  # without same-step hits: 4 * 64
+    assert [o.num_cached_tokens for o in outs] == [0, 48, 48, 48]
+    alone = LLM("stories260K", block_size=16, enable_prefix_caching=False,
+                attention_backend=backend)
+    one_at_a_time = alone.generate([STORY], _greedy(n), use_tqdm=False)[0].outputs[0].token_ids
+    expected = hf_greedy(stories_hf, [STORY], n)[0]
+    assert one_at_a_time == expected
+    assert [o.outputs[0].token_ids for o in outs] == [expected] * 4
+
+
+def test_a_chunk_publishes_only_the_blocks_it_covers():
+    """A budget of 24 splits the first prompt: step 1 fills 1 full block and half of the next,
+    so the second request (admitted in the same step, budget left 0: it waits) and later ones
+    find only what each step's chunks complete."""
+    llm = LLM("stories260K", block_size=16, enable_prefix_caching=True,
+              max_num_batched_tokens=24)
+    eng = llm.engine
+    eng.add_request("a", STORY, _greedy(2))
+    eng.add_request("b", STORY, _greedy(2))
+    eng.step()  # a: tokens 0..23, one full block
+    bm = eng.block_manager
+    assert bm.get_computed_blocks(eng.requests["b"])[1] == 16
+    eng.step()  # a: 24..47 (blocks 1, 2 full); b admitted with 0 budget left: waits
+    assert [e.request_id for e in eng.trace[-1].scheduled] == ["a"]
+    eng.step()  # a: 48..63 (16 tokens), b: hits 3 blocks (48), computes 8 of its 16
+    last = eng.trace[-1]
+    assert [(e.request_id, e.num_prefill_tokens, e.num_cached_tokens) for e in last.scheduled] == [
+        ("a", 16, 0), ("b", 8, 48)]
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
+def test_a_forward_that_raises_leaves_nothing_published(monkeypatch):
+    """Blocks published at allocation for a step whose forward raised never got their K/V:
+    after `generate` aborted its requests, the prompt must miss (and decode right)."""
+    llm = LLM("stories260K", block_size=16, enable_prefix_caching=True)
+    ref = llm.generate([STORY], _greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM("stories260K", block_size=16, enable_prefix_caching=True)
+    runner = llm.engine.model_runner
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the device is gone")
+
+    monkeypatch.setattr(runner, "execute", broken)
+    with pytest.raises(RuntimeError, match="the device is gone"):
+        llm.generate([STORY] * 2, _greedy(), use_tqdm=False)
+    monkeypatch.undo()
+    bm = llm.engine.block_manager
+    assert bm.allocator.hash_to_block == {} and bm.allocator.num_cached_free == 0
+    out = llm.generate([STORY], _greedy(), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == ref
+
+
+def test_the_step_after_a_raising_forward_recomputes_the_hits(monkeypatch):
+    """The engine keeps stepping after a forward raised (no abort): the second request had hit
+    blocks the failed step was to compute; the next pass cuts its table back before them, so it
+    prefills the whole prompt itself. Both end with the right tokens."""
+    llm = LLM("stories260K", block_size=16, enable_prefix_caching=True)
+    ref = llm.generate([STORY], _greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM("stories260K", block_size=16, enable_prefix_caching=True)
+    eng = llm.engine
+    real = eng.model_runner.execute
+    calls = []
+
+    def once_broken(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a transient fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(eng.model_runner, "execute", once_broken)
+    eng.add_request("a", STORY, _greedy())
+    eng.add_request("b", STORY, _greedy())
+    with pytest.raises(RuntimeError, match="transient"):
+        eng.step()
+    b = eng.requests["b"]
+    assert b.num_computed_tokens == 48  # its hit on blocks the failed step never filled
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            done[o.request_id] = o.outputs[0].token_ids
+    retry = eng.trace[0]
+    assert [(e.request_id, e.num_prefill_tokens, e.num_computed_before)
+            for e in retry.scheduled] == [("a", 64, 0), ("b", 64, 0)]
+    assert done == {"a": ref, "b": ref}
+    eng.block_manager.check_invariants([])

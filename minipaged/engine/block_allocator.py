@@ -19,7 +19,7 @@ from typing import Optional
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: Optional[int] = None  # set once the block is full and its K/V are written
+    block_hash: Optional[int] = None  # set once the block is full (or being filled this step)
     token_ids: tuple[int, ...] = ()  # the tokens a hashed block holds, to verify cache hits
     lora_int_id: int = 0  # ... and the LoRA adapter they were computed with (0: none)
 
@@ -88,7 +88,7 @@ class BlockAllocator:
 
     def register(self, block: Block, block_hash: int, token_ids: tuple[int, ...],
                  lora_int_id: int = 0) -> None:
-        """Publish a full, written block to the prefix cache (first writer wins)."""
+        """Publish a full block to the prefix cache (first writer wins)."""
         if not self.enable_prefix_caching or block.block_hash is not None:
             return
         if block_hash in self.hash_to_block:
@@ -96,6 +96,14 @@ class BlockAllocator:
         block.block_hash = block_hash
         block.token_ids, block.lora_int_id = token_ids, lora_int_id
         self.hash_to_block[block_hash] = block.block_id
+
+    def uncache(self, block: Block) -> None:
+        """Take `block` out of the prefix cache (it keeps its place in the free queue)."""
+        if block.block_hash is None:
+            return
+        self._drop_hash(block)
+        if block.ref_count == 0:
+            self.num_cached_free -= 1
 
     def _drop_hash(self, block: Block) -> None:
         if self.hash_to_block.get(block.block_hash) == block.block_id:

@@ -17,6 +17,15 @@ Two layers, following vLLM's names:
 
 A block's hash is `hash((parent_block_hash, token_ids_of_this_block))`, so equal hashes mean equal
 *prefixes*, not just equal blocks; token ids are compared on every hit to rule out collisions.
+
+A block is published (vLLM V1's rule) when `allocate` / `append_slots` hand out the slots that
+fill it (`cache_blocks`), before the forward writes them: a request admitted later in the same
+pass hits it, so n requests of one prompt arriving together prefill its full blocks once. Safe,
+because each layer stores all of the step's new K/V before any attention reads the cache. Only
+known tokens are hashed (prompt, accepted outputs; never a speculative proposal). Such a block
+leaves the prefix cache again if its step never runs: its sequence preempted in the pass that
+planned it (`cache_full_blocks` from `free` / `swap_out`), or the forward raised
+(`drop_uncomputed_blocks`, as the next pass starts).
 A sequence with a LoRA adapter mixes its `lora_int_id` into every hash (and the hit check): the
 same tokens under another adapter (or none) have other K/V, so they never share a block.
 
@@ -82,6 +91,12 @@ class BlockManager:
         self.block_tables: dict[int, list[int]] = {}  # seq_id -> physical block ids
         self.num_slots: dict[int, int] = {}  # seq_id -> token slots its table covers so far
         self._hashes: dict[int, list[int]] = {}  # seq_id -> chain hashes of its full blocks
+        # Blocks published at allocation whose K/V the step has not written yet:
+        # block id -> (the sequence that computes it, its logical index, its hash); by seq_id.
+        self._uncomputed: dict[int, tuple[Sequence, int, int]] = {}
+        self._uncomputed_of: dict[int, list[int]] = {}
+        # Sequences admitted with a hit on such a block: seq_id -> (seq, first such index).
+        self._uncomputed_hits: dict[int, tuple[Sequence, int]] = {}
         # Prefix-cache statistics (lesson 02, issue on sharing): prompt tokens asked / served.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -152,17 +167,21 @@ class BlockManager:
     def allocate_group(self, plans: list[tuple[Sequence, list[Block], int]]) -> None:
         """`allocate` each (seq, computed_blocks, num_new_tokens). Every cached block is claimed
         before any fresh one is taken: a fresh block for one sequence must not evict a cached
-        block another sequence of the group is about to reuse."""
+        block another sequence of the group is about to reuse. Nothing is published: the
+        caller schedules part of the tokens and publishes those (`cache_blocks`)."""
         pinned = [b for _, blocks, _ in plans for b in blocks]
         for b in pinned:
             self.allocator.incref(b)
         for seq, blocks, n in plans:
-            self.allocate(seq, blocks, n)
+            self.allocate(seq, blocks, n, publish=False)
         for b in pinned:
             self.allocator.decref(b)
 
-    def allocate(self, seq: Sequence, computed_blocks: list[Block], num_new_tokens: int) -> None:
-        """Give a new (or recomputing) sequence its block table: cached prefix + fresh blocks."""
+    def allocate(self, seq: Sequence, computed_blocks: list[Block], num_new_tokens: int,
+                 publish: bool = True) -> None:
+        """Give a new (or recomputing) sequence its block table: cached prefix + fresh blocks,
+        and publish the full blocks its `num_new_tokens` fill (`publish=False`: the caller
+        schedules fewer of them this step and publishes those itself, `cache_blocks`)."""
         if seq.seq_id in self.block_tables:
             raise RuntimeError(f"sequence {seq.seq_id} already has a block table")
         for block in computed_blocks:
@@ -182,6 +201,12 @@ class BlockManager:
         if self.enable_prefix_caching:
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += num_computed
+            first = next((i for i, b in enumerate(computed_blocks)
+                          if b.block_id in self._uncomputed), None)
+            if first is not None:  # a block this very step computes for another sequence
+                self._uncomputed_hits[seq.seq_id] = (seq, first)
+        if publish:
+            self.cache_blocks(seq, total)
 
     # --- growth -----------------------------------------------------------------------------
     def _needs_cow(self, seq: Sequence) -> Optional[int]:
@@ -214,24 +239,83 @@ class BlockManager:
             table.append(self.allocator.allocate().block_id)
             self.num_block_refs += 1
         self.num_slots[seq.seq_id] = max(self.num_slots[seq.seq_id], total)
+        self.cache_blocks(seq, total)  # publish what this step will fill (vLLM V1)
         return copies
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Publish blocks whose every slot is now computed, so later requests can reuse them."""
+    def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Publish the full blocks among the first `num_tokens` slots, computed or about to be
+        computed by the step being planned (vLLM's `cache_blocks`). Only blocks whose tokens the
+        host knows: no speculative proposal, no token still on its way from the GPU (async)."""
         bs = self.block_size
         hashes = self._hashes[seq.seq_id]
-        if not self.enable_prefix_caching or seq.num_computed_tokens // bs <= len(hashes):
-            return  # (the common case: no block filled up since the last call)
+        known = min(num_tokens, seq.num_tokens)
+        if not self.enable_prefix_caching or known // bs <= len(hashes):
+            return  # (the common case: no block fills up)
         table = self.block_tables[seq.seq_id]
-        # Only blocks whose tokens the host knows: with async scheduling the newest computed
-        # token can still be on its way from the GPU.
-        known = min(seq.num_computed_tokens, seq.num_tokens)
-        num_full = min(known // bs, len(table))
-        for i in range(len(hashes), num_full):
+        a = self.allocator
+        for i in range(len(hashes), min(known // bs, len(table))):
             chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = hash_block(hashes[-1] if hashes else None, chunk, seq.lora_int_id)
             hashes.append(h)
-            self.allocator.register(self.allocator.blocks[table[i]], h, chunk, seq.lora_int_id)
+            block = a.blocks[table[i]]
+            a.register(block, h, chunk, seq.lora_int_id)
+            if (i + 1) * bs > seq.num_computed_tokens and block.block_hash == h:
+                self._uncomputed[block.block_id] = (seq, i, h)  # published ahead of its K/V
+                self._uncomputed_of.setdefault(seq.seq_id, []).append(block.block_id)
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """The sequence's K/V are now its first `num_computed_tokens` (after a step, or as it is
+        freed): publish the blocks that filled up; a block published at allocation counts as
+        computed if it lies inside, and leaves the prefix cache if not (its step never ran)."""
+        computed = seq.num_computed_tokens
+        for b in self._uncomputed_of.pop(seq.seq_id, ()):
+            owner, i, _ = self._uncomputed.get(b, (None, 0, 0))
+            if owner is not seq:
+                continue  # (reallocated and published by another sequence since)
+            if (i + 1) * self.block_size <= computed:
+                del self._uncomputed[b]
+            else:
+                self._withdraw(b)
+        del self._hashes[seq.seq_id][computed // self.block_size:]  # hashed for a step not run
+        self.cache_blocks(seq, computed)
+
+    def _withdraw(self, block_id: int) -> None:
+        """Take a block published at allocation out of the prefix cache (its K/V never came),
+        and its hash off its sequence's chain (so it is hashed again once computed)."""
+        seq, i, h = self._uncomputed.pop(block_id)
+        block = self.allocator.blocks[block_id]
+        if block.block_hash == h:
+            self.allocator.uncache(block)
+        hashes = self._hashes.get(seq.seq_id)
+        if hashes is not None:
+            del hashes[seq.num_computed_tokens // self.block_size:]
+
+    def drop_uncomputed_blocks(self) -> None:
+        """Called as a scheduling pass starts: blocks still published ahead of their K/V belong
+        to a step that never ran (its forward raised). They leave the prefix cache, and a
+        sequence admitted with a hit on one goes back to the blocks before it (its table is cut
+        there; the scheduler gives it the rest as prefill)."""
+        hits, self._uncomputed_hits = self._uncomputed_hits, {}
+        if not self._uncomputed:
+            return  # (the common case: the last step ran)
+        bs = self.block_size
+        for seq, first in hits.values():
+            if seq.seq_id in self.block_tables and seq.num_computed_tokens > first * bs:
+                self._cut(seq, first)
+        for b in list(self._uncomputed):
+            self._withdraw(b)
+        self._uncomputed_of.clear()
+
+    def _cut(self, seq: Sequence, num_blocks: int) -> None:
+        """Keep only the first `num_blocks` blocks of the table, as computed tokens."""
+        table = self.block_tables[seq.seq_id]
+        while len(table) > num_blocks:
+            self.allocator.decref(self.allocator.blocks[table.pop()])
+            self.num_block_refs -= 1
+        seq.num_computed_tokens = num_blocks * self.block_size
+        seq.num_cached_tokens = min(seq.num_cached_tokens, seq.num_computed_tokens)
+        self.num_slots[seq.seq_id] = seq.num_computed_tokens
+        del self._hashes[seq.seq_id][num_blocks:]
 
     def free_trailing_blocks(self, seq: Sequence) -> None:
         """Give back the tail blocks that hold no computed token (speculative decoding's
@@ -297,6 +381,7 @@ class BlockManager:
         """
         mapping: dict[int, int] = {}
         for s in seqs:
+            self.cache_full_blocks(s)  # blocks published for a step they leave are withdrawn
             table = self.block_tables.pop(s.seq_id)
             self.num_block_refs -= len(table)
             self.cpu_block_tables[s.seq_id] = _move(table, self.allocator, self.cpu_allocator,

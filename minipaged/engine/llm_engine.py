@@ -298,8 +298,10 @@ class LLMEngine:
                                "KV cache (this is a bug; the config check should prevent it)")
 
     def _computed(self, sched: SchedulerOutput) -> list[Sequence]:
-        """The forward has written the step's K/V: count them computed, publish the blocks they
-        filled to the prefix cache; returns the sequences that sample, in step order."""
+        """The forward has written the step's K/V: count them computed (the full blocks they
+        fill were published when the scheduler allocated their slots: now they are computed;
+        `cache_full_blocks` publishes those whose tokens were not known then); returns the
+        sequences that sample, in step order."""
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.cache_full_blocks(s.seq)

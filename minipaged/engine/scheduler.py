@@ -9,7 +9,10 @@ Each step fills a token budget (`max_num_batched_tokens`) with at most `max_num_
 1. running sequences that are decoding (1 token each), oldest first;
 2. running sequences still in the middle of a chunked prefill (as many tokens as the budget has);
 3. waiting sequences, in arrival order, while budget, seats and blocks last. With chunked
-   prefill a long prompt is split across steps, so prefill and decode share a step.
+   prefill a long prompt is split across steps, so prefill and decode share a step. A waiting
+   sequence may hit full blocks that an earlier one computes in this very step (they are
+   published when their slots are allocated, block_manager.py); it still runs, and takes from
+   the budget, every token after its hit.
 
 Before promising any tokens it asks the `BlockManager` for room. When the cache is full a running
 sequence is *preempted*: the most recently admitted one gives up all its blocks. By recompute
@@ -126,6 +129,8 @@ class Scheduler:
     # --- the step plan ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        # Blocks published for a step whose forward raised must not be hit as computed.
+        self.block_manager.drop_uncomputed_blocks()
         # 1 + 2: running sequences, decodes first, then unfinished prefill chunks (may preempt).
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         # 3: swapped-out groups come back first, oldest first (not in a step that had to preempt).
@@ -247,6 +252,7 @@ class Scheduler:
             self._enter_running(s)
             n = min(n_all, budget - used)
             if n > 0:
+                bm.cache_blocks(s, s.num_computed_tokens + n)  # what this step fills
                 out.scheduled.append(ScheduledSeq(s, n, True, n == n_all,
                                                   len(blocks) * bm.block_size))
                 used += n

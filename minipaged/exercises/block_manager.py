@@ -42,6 +42,9 @@ def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> list[tuple[int
     #    report (shared, fresh) so the engine copies the K/V already written there.
     # 2. append fresh blocks until the table covers num_computed_tokens + num_new_tokens slots.
     # 3. keep num_slots and num_block_refs right.
+    # 4. publish the blocks this step fills, before the forward (vLLM V1): a request admitted
+    #    later in the same step may then share them: `self.cache_blocks(seq, num_tokens)` with
+    #    num_tokens = num_computed_tokens + num_new_tokens.
     raise NotImplementedError("exercise: write BlockManager.append_slots")
 
 
@@ -57,7 +60,8 @@ def free(self, seq: Sequence) -> None:
 
     Full blocks not yet published go to the prefix cache first: with async scheduling the
     last computed token of a sequence is known only when the engine finishes it."""
-    # A sequence on the GPU: publish its full blocks (`self.cache_full_blocks(seq)`), then drop
+    # A sequence on the GPU: publish its full blocks, and unpublish those a step it leaves
+    # before running had published (both: `self.cache_full_blocks(seq)`), then drop
     # its table, decref its blocks last block first, and keep num_block_refs right. A sequence
     # swapped out to the CPU pool holds `self.cpu_block_tables[seq_id]` blocks of
     # `self.cpu_allocator` instead. A sequence with neither: nothing to do (freeing twice is fine).

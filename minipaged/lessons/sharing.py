@@ -155,12 +155,12 @@ def n_samples_two_ways(prompt: list[int], n: int = 4, max_tokens: int = 16, bloc
       sequences that share its blocks, and copy-on-write splits the partial last block
       (minipaged, vLLM v0, the paper). Prefix caching off, so only the fork shares.
     * "requests": n requests of the same prompt, prefix caching on, all arriving together (what
-      vLLM V1 turns n > 1 into). minipaged publishes a block to the prefix cache once its K/V is
-      computed, after the step; requests admitted in the same step therefore find nothing.
-    * "requests, first ahead": the same n requests, the first one a step ahead: the others find
-      the prompt's full blocks in the cache and compute only the partial last block. This is what
-      vLLM V1 gets in one step, because it publishes a block's hash when it allocates the block
-      (`KVCacheManager.allocate_slots` -> `cache_blocks`), before the forward pass that fills it.
+      vLLM V1 turns n > 1 into). A block is published to the prefix cache when its slots are
+      allocated, before the forward that fills it (vLLM V1's `KVCacheManager.allocate_slots` ->
+      `cache_blocks`), so the later requests, admitted in the same step, find the first one's
+      full prompt blocks and compute only the partial last block.
+    * "requests, first ahead": the same n requests, the first one a step ahead: the same hits,
+      one step later.
     """
     from minipaged import LLM, SamplingParams
     runs = []
