@@ -251,6 +251,24 @@ def test_indivisible_heads_and_too_many_gpus_teach():
     assert not dist.is_initialized()  # refused before any process started
 
 
+def test_8b_preset_has_qwen3_8b_shape_and_splits_up_to_8_ways():
+    """dummy:qwen3-8b, the 8B-class shape for multi-GPU scaling runs: Qwen3-8B's 8.19 B
+    parameters and 144 KiB of bf16 K/V per token, and its heads, MLP and vocabulary divide by
+    N = 2, 4 and 8 (3 is refused with the sizes that would work)."""
+    from minipaged.distributed.parallel_state import check_tensor_parallel
+    from minipaged.models.config import ModelConfig
+    from minipaged.models.loader import resolve_model
+    c = ModelConfig.from_dict(resolve_model("dummy:qwen3-8b").config)
+    assert round(c.num_parameters() / 1e9, 2) == 8.19 and not c.tie_word_embeddings
+    assert c.kv_bytes_per_token(torch.bfloat16) == 36 * 2 * 8 * 128 * 2
+    for n in (2, 4, 8):
+        check_tensor_parallel(SimpleNamespace(tensor_parallel_size=n, preemption_mode="recompute",
+                                              is_cuda=False), c)
+    with pytest.raises(ValueError, match=r"in \[1, 2, 4, 8\]"):
+        check_tensor_parallel(SimpleNamespace(tensor_parallel_size=3, preemption_mode="recompute",
+                                              is_cuda=False), c)
+
+
 def test_kv_cache_error_counts_per_rank():
     with pytest.raises(ValueError, match=r"320.00 KiB \(640 bytes per token.*per rank: with "
                                          r"tensor_parallel_size=2 each of the 2 processes holds "
