@@ -63,6 +63,9 @@ def _rank(rank, world, init_method, sizes, device, dtype, warmup, iters, queue):
         dev = torch.device(f"cuda:{rank}" if cuda else "cpu")
         elem = torch.tensor([], dtype=dtype).element_size()
         times = []
+        first = torch.zeros(1, dtype=dtype, device=dev)
+        for _ in range(20):  # connections and the first calls' costs, before any size
+            dist.all_reduce(first)
         for nbytes in sizes:
             x = torch.zeros(max(1, nbytes // elem), dtype=dtype, device=dev)
             for _ in range(warmup):

@@ -73,7 +73,8 @@ def test_tiny_cpu_run_writes_every_phase(tmp_path):
     s1, s2 = one["splits"][0], two["splits"][0]
     assert s1["batch"] == s2["batch"] == 2 and s1["running"] == 2
     assert s1["all_reduces_per_step"] == 0 and s1["all_reduce_ms"] == 0
-    assert s2["all_reduces_per_step"] == 1 + 2 * two["num_layers"]  # embedding + 2 per layer
+    assert s2["all_reduces_per_step"] == s2["all_reduces_expected"] == 1 + 2 * two["num_layers"]
+    assert s1["all_reduces_expected"] == 0  # embedding + 2 per layer at N > 1
     assert s2["all_reduce_ms"] > 0 and s2["all_reduce_at_busbw_ms"] > 0
     assert [(p["tp"], p["equal_to_tp1"]) for p in rep["parity"]] == [(1, True), (2, True)]
     sizes = [b["bytes"] for b in rep["busbw"]]
