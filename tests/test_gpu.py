@@ -509,3 +509,23 @@ def test_spec_decode_seeded_sampling_reproducible_on_gpu():
                      for o in llm.generate(prompts, params, use_tqdm=False)])
         del llm
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+@pytest.mark.parametrize("n", [2, 4])
+def test_tensor_parallel_fp32_parity_with_hf_on_gpus(n, enforce_eager):
+    """stories260K split over n GPUs (NCCL, every rank capturing its graphs) gives HF's greedy
+    tokens, as one GPU does."""
+    if torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} GPUs")
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()
+    hf = load_hf_model(str(resolve_builtin("stories260K")), torch.float32, "cuda")
+    prompts = _prompts(32, 512, 3)
+    llm = LLM("stories260K", device="cuda", block_size=16, max_num_seqs=64,
+              enforce_eager=enforce_eager, gpu_memory_utilization=0.05, tensor_parallel_size=n)
+    assert llm.engine.config.use_cuda_graphs != enforce_eager
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == _greedy_hf(hf, prompts, 48)
