@@ -9,9 +9,9 @@ It runs on the HTTP server's event loop and does everything a request needs exce
                  request's own `Sequence`s, detokenizes them, looks for stop strings in the new
                  text only (engine/output.py's `OutputProcessor`, the offline engine's code), and
                  aborts a request in the core once a stop string ends it.
-    streams      one `RequestStream` per HTTP request; it is woken once per step with whatever
-                 is new, however many tokens that is (a slow client gets them merged, it never
-                 makes the engine wait).
+    streams      one `RequestStream` per HTTP request (request_stream.py); it is woken once per
+                 step with whatever is new, however many tokens that is (a slow client gets them
+                 merged, it never makes the engine wait).
 
 A request's failure stays its own: an error the core reports for one request ends that request;
 only a dead core (`Dead`, or its process gone) fails everything, and /health says so.
@@ -26,8 +26,7 @@ import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
 from minipaged.config import EngineConfig
 from minipaged.engine.llm_engine import RequestError
@@ -40,92 +39,13 @@ from minipaged.lora.request import LoRARequest
 from minipaged.server.messages import (AbortRequests, Accepted, AddRequest, Dead, RequestDelta,
                                        StepOutputs)
 from minipaged.server.metrics import Metrics
+from minipaged.server.request_stream import PromptInput, RequestState, RequestStream, TextPrompt
 
 logger = logging.getLogger("minipaged.server")
 
 
 class EngineDeadError(RuntimeError):
     """The engine core stopped (a bug in a step, or the server is shutting down)."""
-
-
-@dataclass
-class TextPrompt:
-    """Text to tokenize. Chat prompts come out of the chat template with their special tokens
-    already in place, so they use `add_special_tokens=False`."""
-
-    text: str
-    add_special_tokens: bool = True
-
-
-PromptInput = Union[str, list[int], TextPrompt]
-
-
-@dataclass(eq=False)
-class RequestState:
-    """One engine request as the API server follows it: its samples as `Sequence`s (token ids,
-    text, finish status), and the stream to wake when something is new."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    seqs: list[Sequence]
-    stream: "RequestStream"
-    arrival: float
-    incremental: bool  # decode text as tokens arrive (streaming or stop strings)
-    error: Optional[str] = None
-    num_cached_tokens: int = 0
-    finished: bool = False
-    first_token_time: Optional[float] = None
-    last_token_time: Optional[float] = None
-    accepted: Optional[asyncio.Future] = field(default=None, repr=False)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(s.num_output_tokens for s in self.seqs)
-
-
-class RequestStream:
-    """The engine requests of one HTTP request (several prompts, each with its n samples).
-    `async for state in stream` yields a `RequestState` each time it has something new; it ends
-    when all have finished. `abort()` cancels what has not finished (idempotent)."""
-
-    def __init__(self, llm: "AsyncLLM"):
-        self.llm = llm
-        self.states: list[RequestState] = []
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._pending: set[int] = set()  # states already queued (woken once, read everything)
-
-    def notify(self, state: RequestState) -> None:
-        if id(state) not in self._pending:
-            self._pending.add(id(state))
-            self._queue.put_nowait(state)
-
-    def fail(self, error: BaseException) -> None:
-        self._queue.put_nowait(error)
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestState:
-        if self.finished and self._queue.empty():
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            for s in self.states:
-                s.finished = True
-            raise item
-        self._pending.discard(id(item))
-        return item
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finished for s in self.states)
-
-    def abort(self) -> None:
-        live = [s.request_id for s in self.states if not s.finished]
-        for s in self.states:
-            s.finished = True
-        if live:
-            self.llm.abort(live)
 
 
 class AsyncLLM:
@@ -201,7 +121,7 @@ class AsyncLLM:
             self.check_length(ids, params)
         base = request_id or f"req-{next(self._ids)}"
         rids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
-        out = RequestStream(self)
+        out = RequestStream(self.abort)
         loop = asyncio.get_running_loop()
         now = time.time()
         # The core sees token ids only: text and stop strings are this side's job.

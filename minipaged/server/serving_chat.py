@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from minipaged.engine.llm_engine import RequestError
 from minipaged.engine.sequence import Sequence
-from minipaged.server.async_llm import RequestStream, TextPrompt
+from minipaged.server.request_stream import RequestStream, TextPrompt
 from minipaged.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionRequest,
                                        ChatCompletionResponse, ChatResponseMessage,
                                        ChatTokenLogprob, TopLogprob, random_id)

@@ -9,7 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from minipaged.engine.sequence import Sequence
-from minipaged.server.async_llm import RequestStream
+from minipaged.server.request_stream import RequestStream
 from minipaged.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                        CompletionResponse, random_id)
 from minipaged.server.serving_engine import (OpenAIError, OpenAIServing, SSEResponse, check_text,

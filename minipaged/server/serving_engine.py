@@ -31,7 +31,8 @@ from minipaged.engine.llm_engine import RequestError
 from minipaged.engine.sequence import Sequence
 from minipaged.lora.request import LoRARequest
 from minipaged.sampling import SamplingParams
-from minipaged.server.async_llm import AsyncLLM, EngineDeadError, RequestState, RequestStream
+from minipaged.server.async_llm import AsyncLLM, EngineDeadError
+from minipaged.server.request_stream import RequestState, RequestStream
 from minipaged.server.protocol import ErrorInfo, ErrorResponse, SamplingFields, UsageInfo
 from minipaged.server.reasoning import ThinkTagReasoningParser
 from minipaged.server.structured_outputs import request_structured_outputs

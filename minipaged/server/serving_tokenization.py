@@ -3,7 +3,7 @@ client can count tokens or read ids exactly as the engine will. Lesson 07 mentio
 from __future__ import annotations
 
 from minipaged.engine.llm_engine import RequestError
-from minipaged.server.async_llm import TextPrompt
+from minipaged.server.request_stream import TextPrompt
 from minipaged.server.protocol import (ChatCompletionRequest, DetokenizeRequest,
                                        DetokenizeResponse, TokenizeRequest, TokenizeResponse)
 from minipaged.server.serving_chat import OpenAIServingChat
