@@ -16,7 +16,6 @@ all-reduced 1 + 2 x num_layers times per step (the embedding, then o_proj and do
 """
 from __future__ import annotations
 
-import os
 import time
 import traceback
 from typing import Iterable, Sequence
@@ -100,41 +99,11 @@ def measure(world_size: int, sizes: Sequence[int], device: str = "cuda",
             dtype: torch.dtype = torch.bfloat16, warmup: int = 5, iters: int = 20,
             timeout: float = 300.0) -> list[dict]:
     """One row per size: bytes, time_us (slowest rank's mean), algbw_gbps, busbw_gbps (1e9 B/s)."""
-    from minipaged.distributed.launch import _main_module_hidden  # as the engine spawns
-    from minipaged.distributed.parallel_state import free_port
+    from minipaged.lessons.tp_measure import run_ranks
     if world_size < 2:
         raise ValueError(f"world_size={world_size}: an all-reduce needs at least 2 ranks")
-    ctx = torch.multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_rank, daemon=True,
-                         args=(r, world_size, init, list(sizes), device, dtype, warmup, iters,
-                               queue)) for r in range(world_size)]
-    threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        with _main_module_hidden():
-            for p in procs:
-                p.start()
-    finally:
-        if threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = threads
-    got, errors, deadline = {}, [], time.monotonic() + timeout
-    try:
-        while len(got) < world_size and not errors:
-            rank, status, payload = queue.get(timeout=max(1.0, deadline - time.monotonic()))
-            (got.__setitem__(rank, payload) if status == "ok"
-             else errors.append(f"rank {rank}:\n{payload}"))
-    finally:
-        for p in procs:
-            p.join(10 if not errors else 1)
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-    if errors:
-        raise RuntimeError("an all-reduce rank failed: " + "\n".join(errors))
+    got = run_ranks(_rank, world_size, (list(sizes), device, dtype, warmup, iters), timeout,
+                    "an all-reduce rank")
     rows = []
     for nbytes, t in zip(sizes, got[0]):
         rows.append({"bytes": nbytes, "time_us": round(t * 1e6, 2),

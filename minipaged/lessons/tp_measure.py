@@ -216,6 +216,15 @@ def measure(world_size: int, models: Sequence = ("stories260K", RANDOM_NAME),
     `num_seqs` sequences of `context_len` tokens, best of `repeats` (the step, its collectives
     alone, its compute alone); then one all-reduce of each of `sizes` bytes, best of
     `sweep_repeats`."""
+    return run_ranks(_rank_main, world_size, (tuple(models), num_seqs, context_len,
+                                              tuple(sizes), repeats, sweep_repeats),
+                     timeout, "a measuring rank")[0]
+
+
+def run_ranks(target, world_size: int, args: tuple, timeout: float, what: str) -> dict:
+    """Spawn `world_size` processes running `target(rank, world_size, init_method, *args,
+    queue)` (one torch thread each) and collect what each puts on the queue: (rank, "ok",
+    payload) or (rank, "error", traceback). Returns {rank: payload}; the first error raises."""
     from minipaged.distributed.launch import _main_module_hidden  # as the engine spawns
     from minipaged.distributed.parallel_state import free_port
     ctx = torch.multiprocessing.get_context("spawn")
@@ -224,9 +233,8 @@ def measure(world_size: int, models: Sequence = ("stories260K", RANDOM_NAME),
     env_threads = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # the children's OpenMP pools, before they start
     try:
-        procs = [ctx.Process(target=_rank_main, daemon=True,
-                             args=(r, world_size, init, tuple(models), num_seqs, context_len,
-                                   tuple(sizes), repeats, sweep_repeats, queue))
+        procs = [ctx.Process(target=target, daemon=True,
+                             args=(r, world_size, init, *args, queue))
                  for r in range(world_size)]
         with _main_module_hidden():  # a notebook's or script's __main__ is not re-run
             for p in procs:
@@ -239,13 +247,12 @@ def measure(world_size: int, models: Sequence = ("stories260K", RANDOM_NAME),
     got, errors = {}, []
     deadline = time.monotonic() + timeout
     try:
-        while len(got) + len(errors) < world_size:
+        while len(got) < world_size and not errors:
             rank, status, payload = queue.get(timeout=max(1.0, deadline - time.monotonic()))
             if status == "ok":
                 got[rank] = payload
             else:
                 errors.append(f"rank {rank}:\n{payload}")
-                break
     finally:
         for p in procs:
             p.join(10 if not errors else 1)
@@ -253,5 +260,5 @@ def measure(world_size: int, models: Sequence = ("stories260K", RANDOM_NAME),
                 p.terminate()
                 p.join(5)
     if errors:
-        raise RuntimeError("a measuring rank failed: " + "\n".join(errors))
-    return got[0]
+        raise RuntimeError(f"{what} failed: " + "\n".join(errors))
+    return got
