@@ -63,24 +63,6 @@ def _move(table: list[int], src: BlockAllocator, dst: BlockAllocator,
     return [mapping[b] for b in table]
 
 
-def _check_ref_counts(allocator: BlockAllocator, tables: Iterable[list[int]], what: str) -> list[int]:
-    """Every block's ref count equals its number of table entries, and a block is in the free
-    queue exactly when nothing references it. Returns the counted references per block."""
-    refs = [0] * allocator.num_blocks
-    for table in tables:
-        for b in table:
-            refs[b] += 1
-    for block in allocator.blocks:
-        if block.ref_count != refs[block.block_id]:
-            raise AssertionError(f"{what} {block.block_id}: ref_count {block.ref_count} "
-                                 f"but {refs[block.block_id]} table references")
-        in_free = block.block_id in allocator.free_queue
-        if in_free != (block.ref_count == 0):
-            raise AssertionError(f"{what} {block.block_id}: ref_count {block.ref_count}, "
-                                 f"in free queue: {in_free}")
-    return refs
-
-
 class BlockManager:
     """Per-sequence block tables on top of a `BlockAllocator` (see the module docstring)."""
 
@@ -438,18 +420,11 @@ class BlockManager:
 
         Used by the property tests; cheap enough to call from a notebook after every step.
         """
-        a = self.allocator
-        refs = _check_ref_counts(a, self.block_tables.values(), "block")
-        for h, b in a.hash_to_block.items():
-            if a.blocks[b].block_hash != h:
-                raise AssertionError(f"hash index points at block {b} whose hash differs")
-        cached = sum(1 for b in a.free_queue if a.blocks[b].block_hash is not None)
-        if cached != a.num_cached_free:
-            raise AssertionError(f"num_cached_free {a.num_cached_free} != {cached}")
+        refs = self.allocator.check_invariants(self.block_tables.values(), "block")
         if live_seq_ids is not None and set(live_seq_ids) != set(self.block_tables):
             raise AssertionError("block tables exist for sequences that are not live")
         if self.num_block_refs != sum(refs):
             raise AssertionError(f"num_block_refs {self.num_block_refs} != {sum(refs)} "
                                  "table entries")
         if self.cpu_allocator is not None:
-            _check_ref_counts(self.cpu_allocator, self.cpu_block_tables.values(), "CPU block")
+            self.cpu_allocator.check_invariants(self.cpu_block_tables.values(), "CPU block")
