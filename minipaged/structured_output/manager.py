@@ -76,6 +76,7 @@ class StructuredOutputManager:
         self._indices: Optional[torch.Tensor] = None  # (max_num_seqs,) int32: constrained rows
         self._copied = None  # CUDA event: the last copy out of the host buffers is done
         self._one_row: Optional[torch.Tensor] = None  # (1, ceil(vocab / 32)): has it ended?
+        self.advance_on_fill = False  # set by async scheduling: see `accept`
 
     # --- when a request is added ------------------------------------------------------------
     def _xgr(self):
@@ -108,19 +109,23 @@ class StructuredOutputManager:
         return compiled
 
     # --- each step --------------------------------------------------------------------------
+    def matcher_of(self, seq: Sequence) -> _Matcher:
+        """`seq`'s matcher, not yet caught up: a new one for a new sequence (or a fork), or
+        when tokens were taken back."""
+        st = self._matchers.get(seq)
+        if st is None or st.num_accepted > len(seq.output_token_ids):
+            compiled = self.compile(seq.sampling_params.structured_outputs)
+            st = self._matchers[seq] = _Matcher(self._xgr(), compiled, self.eos_token_ids)
+        return st
+
     def _state(self, seq: Sequence) -> _Matcher:
         """`seq`'s matcher, caught up with its output tokens."""
-        xgr = self._xgr()
-        st = self._matchers.get(seq)
+        st = self.matcher_of(seq)
         out = seq.output_token_ids
-        params = seq.sampling_params.structured_outputs
-        if st is None or st.num_accepted > len(out):  # new (or a fork), or tokens taken back
-            st = self._matchers[seq] = _Matcher(xgr, self.compile(params), self.eos_token_ids)
         while st.num_accepted < len(out):
             token = out[st.num_accepted]
             if not st.matcher.accept_token(token):
-                raise ValueError(f"the grammar does not allow token {token} at output position "
-                                 f"{st.num_accepted} (structured_outputs.{params.kind})")
+                raise rejected_token(seq, token, st.num_accepted)
             st.num_accepted += 1
         return st
 
@@ -131,10 +136,19 @@ class StructuredOutputManager:
                 if s.sampling_params.structured_outputs is not None and not s.is_finished]
         if not rows:
             return rows
+        self.prepare_buffers(len(seqs), pin)
+        matchers = [self._state(seqs[i]).matcher for i in rows]
+        # (rows, ceil(vocab / 32)) int32: bit t of row i = token t allowed
+        self._batch.batch_fill_next_token_bitmask(matchers, self._bitmask, indices=rows)
+        return rows
+
+    def prepare_buffers(self, num_rows: int, pin: bool) -> None:
+        """Host bitmask and row-index buffers for `num_rows` rows (pinned for a GPU), and the
+        batched filler; waits until the last step's copy has left the buffers."""
         xgr = self._xgr()
-        if self._bitmask is None or self._bitmask.shape[0] < len(seqs) or (
+        if self._bitmask is None or self._bitmask.shape[0] < num_rows or (
                 pin and not self._bitmask.is_pinned()):
-            n = max(self.max_num_seqs, len(seqs))
+            n = max(self.max_num_seqs, num_rows)
             self._bitmask = xgr.allocate_token_bitmask(n, self.vocab_size)
             self._indices = torch.zeros(n, dtype=torch.int32)
             if pin:
@@ -143,30 +157,29 @@ class StructuredOutputManager:
             self._copied = None
         if self._batch is None:
             self._batch = xgr.BatchGrammarMatcher(self.max_threads)
-        matchers = [self._state(seqs[i]).matcher for i in rows]
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copy has left these buffers
-        # (rows, ceil(vocab / 32)) int32: bit t of row i = token t allowed
-        self._batch.batch_fill_next_token_bitmask(matchers, self._bitmask, indices=rows)
-        return rows
 
     def apply_masks(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
         """Set to -inf, in each constrained row, the logits of the tokens its grammar forbids.
         logits: (len(seqs), vocab), possibly still being computed on the GPU. Returns the logits
         (the same tensor unless they had to be widened to fp32 for the CPU kernel)."""
-        on_cuda = logits.device.type == "cuda"
-        rows = self.fill_bitmask(seqs, pin=on_cuda)
+        rows = self.fill_bitmask(seqs, pin=logits.device.type == "cuda")
+        return self.apply_bitmask(logits, rows)
+
+    def apply_bitmask(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Apply the host bitmask's `rows` (filled by `fill_bitmask`) to those rows of logits."""
         if not rows:
             return logits
         import xgrammar as xgr
-        if not on_cuda:
+        if logits.device.type != "cuda":
             if logits.dtype != torch.float32:
                 logits = logits.float()  # xgrammar's CPU kernel takes fp32
             xgr.apply_token_bitmask_inplace(logits, self._bitmask, vocab_size=self.vocab_size,
                                             indices=rows)
             return logits
         self._indices[:len(rows)] = torch.tensor(rows, dtype=torch.int32)
-        mask = self._bitmask[:len(seqs)].to(logits.device, non_blocking=True)
+        mask = self._bitmask[:logits.shape[0]].to(logits.device, non_blocking=True)
         indices = self._indices[:len(rows)].to(logits.device, non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
@@ -176,14 +189,24 @@ class StructuredOutputManager:
 
     def accept(self, seq: Sequence) -> Optional[SequenceStatus]:
         """Advance `seq`'s matcher over its new tokens; FINISHED_STOPPED once the grammar has
-        ended (it accepted a stop token, or nothing but one can follow)."""
-        st = self._state(seq)
+        ended (it accepted a stop token, or nothing but one can follow). Under async scheduling
+        (`advance_on_fill`) this does nothing: the matchers advance on a worker thread just
+        before the next fill, which finds the grammar's end (background.py)."""
+        if self.advance_on_fill:
+            return None
+        return SequenceStatus.FINISHED_STOPPED if self.has_ended(self._state(seq)) else None
+
+    def has_ended(self, st: _Matcher) -> bool:
+        """Has the grammar ended, i.e. can nothing but a stop token follow?"""
         m = st.matcher
-        if m.is_terminated():
-            return SequenceStatus.FINISHED_STOPPED
-        if m.is_completed() and _only_stop_tokens(self, m):
-            return SequenceStatus.FINISHED_STOPPED
-        return None
+        return m.is_terminated() or (m.is_completed() and _only_stop_tokens(self, m))
+
+
+def rejected_token(seq: Sequence, token: int, position: int) -> ValueError:
+    """The error of a token the grammar does not allow (the request fails alone)."""
+    kind = seq.sampling_params.structured_outputs.kind
+    return ValueError(f"the grammar does not allow token {token} at output position {position} "
+                      f"(structured_outputs.{kind})")
 
 
 def _only_stop_tokens(mgr: StructuredOutputManager, matcher) -> bool:

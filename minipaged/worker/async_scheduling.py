@@ -22,11 +22,13 @@ that token is dropped when it is read. Steps that need their tokens at once (log
 penalties, n > 1, beams) run synchronously, and so does a step whose sampler raised: there the
 engine finds the rows that raise and fails their requests alone (engine/failures.py).
 
-A step with grammar-constrained rows (structured_output/) stays asynchronous, one thing reordered:
-a row's mask needs its previous token, so that step reads the previous step's tokens *before* it
-samples (after launching the forward, so the reading and the mask fill run while the GPU
-computes), then fills and applies the masks and samples on the GPU as any step does. A row whose
-sequence stopped in that read is left unmasked; its token is dropped.
+A step with grammar-constrained rows (structured_output/) stays asynchronous, its sampling
+deferred: a row's mask needs the row's previous token, so that step reads the previous step's
+tokens first, hands the constrained rows to a worker thread that advances their matchers and
+fills their masks (structured_output/background.py), and leaves its logits unsampled
+(`DeferredStep`). It is sampled when its tokens are first needed: while the next step's inputs
+are built (after that step has been scheduled, the worker running meanwhile), or when it is read.
+A row whose grammar had ended is finished there ("stop") and its token dropped.
 """
 from __future__ import annotations
 
@@ -48,12 +50,20 @@ class PendingStep:
 
     Row i of `tokens` is the next token of `seqs[i]`. The copy into pinned host memory starts
     at once and does not block; `host_tokens()` waits for it (and so for that step) only.
+    `ended` and `errors` are a deferred step's rows that finish or fail when it is read.
     """
 
-    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor):
+    def __init__(self, seqs: list[Sequence], tokens: Optional[torch.Tensor] = None):
         self.seqs = seqs
-        self.tokens = tokens  # (num_seqs,) int64 on the device: the next step's input ids
         self.row_of = {seq.seq_id: i for i, seq in enumerate(seqs)}
+        self.ended: list[Sequence] = []
+        self.errors: list[tuple[Sequence, Exception]] = []
+        self._tokens = None
+        if tokens is not None:
+            self.start_copy(tokens)
+
+    def start_copy(self, tokens: torch.Tensor) -> None:
+        self._tokens = tokens  # (num_seqs,) int64 on the device: the next step's input ids
         if tokens.is_cuda:
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self._host.copy_(tokens, non_blocking=True)
@@ -62,10 +72,30 @@ class PendingStep:
         else:
             self._host, self._ready = tokens, None
 
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self._tokens
+
     def host_tokens(self) -> list[int]:
+        self.tokens  # noqa: B018 (a deferred step samples now)
         if self._ready is not None:
             self._ready.synchronize()
         return self._host.tolist()
+
+
+class DeferredStep(PendingStep):
+    """A step with grammar rows whose sampling waits for their masks (the worker's `fill`):
+    `sample(self)` runs when the tokens are first asked for."""
+
+    def __init__(self, seqs: list[Sequence], logits: torch.Tensor, fill, sample):
+        super().__init__(seqs)
+        self.logits, self.fill, self._sample = logits, fill, sample
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        if self._tokens is None:
+            self._sample(self)
+        return self._tokens
 
 
 class AsyncScheduler(Scheduler):
@@ -112,6 +142,9 @@ class AsyncScheduling:
         engine.scheduler = engine.make_scheduler(AsyncScheduler,
                                                  max_model_len=engine.config.max_model_len)
         self.pending: Optional[PendingStep] = None  # the step whose tokens are not read yet
+        from minipaged.structured_output.background import BackgroundFill
+        self.fill = BackgroundFill(engine.structured_output)  # grammar rows' masks, off-thread
+        engine.structured_output.advance_on_fill = True
         engine.step = self.step
         engine.has_unfinished_requests = self.has_unfinished_requests
 
@@ -147,42 +180,107 @@ class AsyncScheduling:
         logits = eng.model_runner.execute(sched, self.pending)
         sampling = eng._computed(sched)
         defer = bool(sampling) and self.can_defer(sampling)
-        outputs, finished = [], []
         if defer and any(s.sampling_params.structured_outputs is not None for s in sampling):
-            # A grammar's mask needs the token before it: read the previous step's tokens
-            # first (the forward keeps running), so the matchers have them when masks are filled.
+            # Masks need the tokens before them: read the previous step's tokens (the forward
+            # keeps running), then fill on the worker; sampled when the tokens are needed.
             outputs, finished = self.read_pending()
-        pending = self.sample(logits, sampling) if defer else None
-        if pending is not None:
-            for seq in sampling:
-                eng.scheduler.token_sampled(seq)
-            more_outputs, more_finished = self.read_pending()  # while this step runs
-            outputs, finished = outputs + more_outputs, finished + more_finished
-            # Sequences that stopped meanwhile need nothing from this step: if none is left,
-            # there is nothing to read (has_unfinished_requests stays honest).
-            if any(not s.is_finished for s in pending.seqs):
-                self.pending = pending
-            else:
-                for seq in pending.seqs:
-                    eng.scheduler.token_read(seq)
+            fill = self.fill.start(sampling, pin=logits.is_cuda)
+            self.pending_step(DeferredStep(sampling, logits, fill, self.sample_deferred))
             eng._record(sched, finished, t0)
             return outputs
-        earlier_outputs, earlier_finished = self.read_pending()  # this step needs them all
-        outputs, finished = outputs + earlier_outputs, finished + earlier_finished
+        pending = self.sample(logits, sampling) if defer else None
+        if pending is not None:
+            outputs, finished = self.read_pending()  # while this step runs
+            self.pending_step(pending)
+            eng._record(sched, finished, t0)
+            return outputs
+        self.fill.wait()  # the matchers are the main thread's again
+        outputs, finished = self.read_pending()  # this step needs them all
+        self.finish_ended(sampling, outputs, finished)
         more_outputs, more_finished = eng._sample_and_process(logits, sampling)
         eng._record(sched, finished + more_finished, t0)
         return outputs + more_outputs
 
+    def pending_step(self, pending: PendingStep) -> None:
+        """This step's tokens are in flight: counted, and read during the next step."""
+        for seq in pending.seqs:
+            self.engine.scheduler.token_sampled(seq)
+        # Sequences that stopped meanwhile need nothing from this step: if none is left,
+        # there is nothing to read (has_unfinished_requests stays honest).
+        if any(not s.is_finished for s in pending.seqs):
+            self.pending = pending
+        else:
+            for seq in pending.seqs:
+                self.engine.scheduler.token_read(seq)
+
     def sample(self, logits: torch.Tensor, sampling: list[Sequence]) -> Optional[PendingStep]:
-        """This step's tokens, left on the device. None if the sampler raised: the step is then
-        sampled again synchronously, where a row that raises fails alone (engine/failures.py)."""
+        """This step's tokens (no grammar rows), left on the device. None if the sampler
+        raised: the step is then sampled again synchronously, where a row that raises fails
+        alone (engine/failures.py)."""
         generators = failures.save_generators(sampling)
         try:
-            logits = self.engine.structured_output.apply_masks(logits, sampling)  # grammar rows
             return PendingStep(sampling, self.engine.sampler.sample(logits, sampling))
         except Exception:
             failures.restore_generators(generators)  # the retry draws what this call drew
             return None
+
+    def sample_deferred(self, step: DeferredStep) -> None:
+        """Sample a deferred step once its masks are filled: on the device, as `sample` does.
+        If the sampler raises, each row is sampled alone (synchronously) and the rows that
+        raise fail when the step is read; rows whose grammar ended or raised get token 0,
+        dropped when read."""
+        eng = self.engine
+        mgr = eng.structured_output
+        rows, step.ended, step.errors = step.fill.result()
+        logits, seqs = step.logits, step.seqs
+        step.logits = step.fill = None
+        generators = failures.save_generators(seqs)
+        try:
+            tokens = eng.sampler.sample(mgr.apply_bitmask(logits, rows), seqs)
+        except Exception:
+            skip = {id(s) for s in step.ended} | {id(s) for s, _ in step.errors}
+            keep = [i for i, s in enumerate(seqs) if id(s) not in skip]
+
+            def masked(row_logits, row_seqs):  # the worker is done: fill on this thread
+                return eng.sampler(mgr.apply_masks(row_logits, row_seqs), row_seqs)
+            done, failed = failures.sample_rows_alone(masked, logits[keep],
+                                                      [seqs[i] for i in keep], generators)
+            step.errors += failed
+            token_of = {id(s): out.token_ids[0] for s, out in done}
+            tokens = torch.tensor([token_of.get(id(s), 0) for s in seqs], dtype=torch.int64,
+                                  device=logits.device)
+        step.start_copy(tokens)
+
+    def finish_ended(self, seqs: list[Sequence], outputs: list[RequestOutput],
+                     finished: list[str]) -> None:
+        """Before a synchronous step samples: finish ("stop") the grammar rows whose grammar
+        has ended (their matchers advance here, since `accept` leaves them to the fill)."""
+        mgr = self.engine.structured_output
+        for seq in seqs:
+            if (getattr(seq.sampling_params, "structured_outputs", None) is None
+                    or seq.is_finished):  # (beam search's params have none)
+                continue
+            try:
+                if mgr.has_ended(mgr._state(seq)):
+                    self.finish_stopped(seq, outputs, finished)
+            except Exception as exc:  # this request's grammar: it fails alone
+                self.engine._fail(seq, exc, outputs, finished)
+
+    def finish_stopped(self, seq: Sequence, outputs: list[RequestOutput],
+                       finished: list[str]) -> None:
+        """End `seq`, its grammar done, as `LLMEngine._process` ends a sequence that stops:
+        its request with it, or, one of n samples, with the group's last."""
+        eng = self.engine
+        seq.finished_time = time.time()
+        eng.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        group = seq.group
+        if group is not None and not group.is_finished:
+            return
+        outputs.append(eng.output_processor.make_output(seq) if group is None
+                       else eng.output_processor.make_group_output(group, None))
+        eng.requests.pop(seq.request_id, None)
+        eng.groups.pop(seq.request_id, None)
+        finished.append(seq.request_id)
 
     def read_pending(self) -> tuple[list[RequestOutput], list[str]]:
         """Read the previous step's tokens and process them as a synchronous step would have."""
@@ -196,5 +294,11 @@ class AsyncScheduling:
             self.engine.scheduler.token_read(seq)
         outputs: list[RequestOutput] = []
         finished: list[str] = []
+        for seq, exc in pending.errors:  # a deferred step's rows: before any token is appended
+            if not seq.is_finished:
+                self.engine._fail(seq, exc, outputs, finished)
+        for seq in pending.ended:
+            if not seq.is_finished:
+                self.finish_stopped(seq, outputs, finished)
         self.engine._process(pending.seqs, SamplerOutput(token_ids=tokens), outputs, finished)
         return outputs, finished

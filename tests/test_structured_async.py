@@ -1,0 +1,163 @@
+"""Grammar rows under async scheduling (structured_output/background.py): the masks are filled on
+a worker thread and a constrained step is sampled only once the next step has been scheduled,
+and the outputs are still exactly a synchronous engine's; a row that raises fails alone."""
+import threading
+
+import pytest
+
+from minipaged import LLM, SamplingParams
+from minipaged.structured_output import StructuredOutputsParams as SO
+from minipaged.structured_output.background import BackgroundFill
+from tests.test_structured_output import CHOICES, PERSON, PROMPTS, REGEX, check_valid, constraints
+
+
+def _params(ignore_eos=False, temperature=0.0, n=1):
+    plain = [SamplingParams(temperature=temperature, seed=5, max_tokens=40)] * 2
+    return plain + [SamplingParams(temperature=temperature, seed=i, max_tokens=120, n=n,
+                                   ignore_eos=ignore_eos, structured_outputs=so)
+                    for i, so in enumerate(constraints())]
+
+
+def _run(async_scheduling, params, **cfg):
+    llm = LLM("stories260K", block_size=8, seed=1, device="cpu",
+              async_scheduling=async_scheduling, **cfg)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    return [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs], llm
+
+
+@pytest.mark.parametrize("case", ["greedy", "ignore_eos", "sampled", "n=2", "preempted"])
+def test_async_equals_sync(case):
+    kw, cfg = {}, {}
+    if case == "ignore_eos":  # the grammar's own end (a stop token it accepted) stops the row
+        kw = dict(ignore_eos=True)
+    elif case == "sampled":
+        kw = dict(temperature=1.0)
+    elif case == "n=2":  # groups run synchronously inside async scheduling
+        kw = dict(temperature=1.0, n=2)
+    elif case == "preempted":
+        cfg = dict(num_blocks=20, max_model_len=160, max_num_batched_tokens=64,
+                   enable_prefix_caching=False)
+    params = _params(**kw)
+    ref, _ = _run(False, params, **cfg)
+    got, llm = _run(True, params, **cfg)
+    assert got == ref
+    if case == "preempted":
+        assert sum(len(r.preempted) for r in llm.trace) > 0
+    for so, out in zip(constraints(), got[2:]):
+        assert out[0][1] in ("stop", "length")
+
+
+def test_masks_are_filled_off_the_main_thread_after_the_next_step_is_scheduled(monkeypatch):
+    llm = LLM("stories260K", block_size=8, seed=1, device="cpu", async_scheduling=True)
+    eng = llm.engine
+    events = []
+    run, start, schedule = BackgroundFill._run, BackgroundFill.start, eng._schedule
+    on_main = []
+    sample_deferred = eng.async_scheduling.sample_deferred
+
+    def traced_run(self, jobs, errors):
+        on_main.append(threading.current_thread() is threading.main_thread())
+        return run(self, jobs, errors)
+
+    def traced_start(self, seqs, pin):
+        events.append("start")
+        return start(self, seqs, pin)
+
+    def traced_schedule():
+        events.append("schedule")
+        return schedule()
+
+    def traced_sample(step):
+        events.append("sample")
+        return sample_deferred(step)
+    monkeypatch.setattr(BackgroundFill, "_run", traced_run)
+    monkeypatch.setattr(BackgroundFill, "start", traced_start)
+    monkeypatch.setattr(eng, "_schedule", traced_schedule)
+    monkeypatch.setattr(eng.async_scheduling, "sample_deferred", traced_sample)
+    accepted = []
+    accept = eng.structured_output.accept
+    monkeypatch.setattr(eng.structured_output, "accept",
+                        lambda seq: accepted.append(accept(seq)) or accepted[-1])
+    so = SO(json=PERSON)
+    (out,) = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=200,
+                                                               structured_outputs=so),
+                          use_tqdm=False)
+    check_valid(so, out.outputs[0].text, out.outputs[0].finish_reason)
+    assert len(on_main) > 10 and not any(on_main)  # every fill on the worker
+    # each deferred step is sampled after the next step was scheduled: start, schedule, sample
+    pairs = [(i, events.index("sample", i)) for i, k in enumerate(events) if k == "start"
+             and "sample" in events[i:]]
+    assert len(pairs) > 10 and all("schedule" in events[a:b] for a, b in pairs)
+    assert accepted and not any(accepted)  # the main thread never advances a matcher
+
+
+class FaultySampler:
+    """Raises on the culprit's 3rd token, after sampling the whole batch."""
+
+    def __init__(self, sampler, culprit):
+        self.inner, self.culprit = sampler, culprit
+
+    def _check(self, seqs):
+        if any(s.request_id == self.culprit and s.num_output_tokens == 2 for s in seqs):
+            raise RuntimeError("injected sampler fault")
+
+    def __call__(self, logits, seqs):
+        out = self.inner(logits, seqs)
+        self._check(seqs)
+        return out
+
+    def sample(self, logits, seqs):
+        tokens = self.inner.sample(logits, seqs)
+        self._check(seqs)
+        return tokens
+
+
+REQUESTS = {"plain": ("The cat", SamplingParams(temperature=0, max_tokens=30)),
+            "regex": ("Tom had a big red ball",
+                      SamplingParams(temperature=0, max_tokens=80, structured_outputs=SO(regex=REGEX))),
+            "culprit": ("Once upon a time", SamplingParams(temperature=0, max_tokens=80,
+                                                           structured_outputs=SO(choice=CHOICES)))}
+
+
+def _run_requests(eng):
+    for rid, (prompt, params) in REQUESTS.items():
+        eng.add_request(rid, prompt, params)
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                assert o.request_id not in outs
+                outs[o.request_id] = o
+    assert eng.block_manager.num_free_blocks == eng.num_blocks
+    return outs
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _run_requests(LLM("stories260K", block_size=8, seed=1, device="cpu").engine)
+
+
+@pytest.mark.parametrize("where", ["sampler", "matcher"])
+def test_a_fault_in_a_deferred_step_fails_its_request_alone(reference, monkeypatch, where):
+    eng = LLM("stories260K", block_size=8, seed=1, device="cpu", async_scheduling=True).engine
+    if where == "sampler":
+        monkeypatch.setattr(eng, "sampler", FaultySampler(eng.sampler, "culprit"))
+    else:  # its matcher cannot be had (the worker's start)
+        mgr = eng.structured_output
+        matcher_of = mgr.matcher_of
+
+        def faulty(seq):
+            if seq.request_id == "culprit" and seq.num_output_tokens == 2:
+                raise RuntimeError("injected grammar fault")
+            return matcher_of(seq)
+        monkeypatch.setattr(mgr, "matcher_of", faulty)
+    outs = _run_requests(eng)
+    bad = outs.pop("culprit")
+    assert bad.outputs[0].finish_reason == "error" and "injected" in bad.error
+    assert bad.outputs[0].token_ids == reference["culprit"].outputs[0].token_ids[:2]
+    for rid, o in outs.items():
+        assert o.outputs[0].token_ids == reference[rid].outputs[0].token_ids
+    assert eng.async_scheduling.pending is None and not eng.has_unfinished_requests()
