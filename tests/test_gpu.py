@@ -387,7 +387,12 @@ def test_lora_adapters_on_gpu_equal_cpu_reference(tmp_path, enforce_eager):
             assert type(llm.engine.lora_manager.punica).__name__ == "TritonPunicaWrapper"
         res = llm.generate(prompts, sp, use_tqdm=False, lora_request=per_prompt)
         outs[device] = [o.outputs[0].token_ids for o in res]
+        runner = llm.engine.model_runner
+        if device == "cuda" and not enforce_eager:  # the last decode step had adapters
+            assert runner.runner.graph_runner is runner.lora_graphs
         base = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], sp, use_tqdm=False)]
+        if device == "cuda" and not enforce_eager:  # no adapter: the graphs without LoRA kernels
+            assert runner.runner.graph_runner is runner.base_graphs is not None
         assert base[3] == outs[device][3]  # the base model's row in the mixed batch
         assert all(base[i] != outs[device][i] for i in range(3))  # the adapters change it
         del llm

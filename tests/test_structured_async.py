@@ -62,9 +62,9 @@ def test_masks_are_filled_off_the_main_thread_after_the_next_step_is_scheduled(m
         on_main.append(threading.current_thread() is threading.main_thread())
         return run(self, jobs, errors)
 
-    def traced_start(self, seqs, pin):
+    def traced_start(self, *args, **kwargs):
         events.append("start")
-        return start(self, seqs, pin)
+        return start(self, *args, **kwargs)
 
     def traced_schedule():
         events.append("schedule")
@@ -157,7 +157,10 @@ def test_a_fault_in_a_deferred_step_fails_its_request_alone(reference, monkeypat
     outs = _run_requests(eng)
     bad = outs.pop("culprit")
     assert bad.outputs[0].finish_reason == "error" and "injected" in bad.error
-    assert bad.outputs[0].token_ids == reference["culprit"].outputs[0].token_ids[:2]
+    # the sampler raises for its 3rd token; the matcher raises when it is asked for the mask
+    # after its 2nd, which (read with the step before) is then the worker's 3rd token
+    kept = 2 if where == "sampler" else 3
+    assert bad.outputs[0].token_ids == reference["culprit"].outputs[0].token_ids[:kept]
     for rid, o in outs.items():
         assert o.outputs[0].token_ids == reference[rid].outputs[0].token_ids
     assert eng.async_scheduling.pending is None and not eng.has_unfinished_requests()

@@ -124,10 +124,21 @@ class PunicaWrapper:
 
 class TritonPunicaWrapper(PunicaWrapper):
     """The same mapping, computed by the Triton kernels (triton_punica.py): the CUDA variant.
-    It always launches them (their grid depends only on the token count), so a decode step
-    captured in a CUDA graph replays whatever adapters the next steps bring."""
+
+    An eager step launches them only if one of its tokens has an adapter. A CUDA graph records
+    them unconditionally (their grid depends only on the token count), so a captured decode
+    step replays whatever adapters the next steps bring; only the second set of decode graphs
+    that lora/runner.py captures for steps without adapter tokens leaves them out
+    (`capturing_base`)."""
+
+    capturing_base = False
 
     def add_lora(self, y, x, lora_a, lora_b):
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            if self.capturing_base:
+                return y
+        elif not self.any_lora:
+            return y
         from minipaged.lora import triton_punica
         return triton_punica.add_lora(y, x, lora_a, lora_b, self.scaling,
                                       self.sorted_token_ids, self.tile_slot, self.tile_start,

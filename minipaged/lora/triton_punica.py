@@ -143,7 +143,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
         x, lora_a, t, sorted_token_ids, tile_slot, tile_start, tile_len, n, k, k_per_split,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), t.stride(0), t.stride(1),
         BLOCK_M=TILE_TOKENS, BLOCK_N=bn, BLOCK_K=bk, NUM_N_BLOCKS=triton.cdiv(n, bn), IEEE=ieee)
-    bo, bk = _pow2(out, hi=128), _pow2(n)
+    bo, bk = _pow2(out, hi=256), _pow2(n)  # wide output tiles: fewer programs per token tile
     _lora_expand_kernel[(tiles * triton.cdiv(out, bo),)](
         t, lora_b, y, scaling, sorted_token_ids, tile_slot, tile_start, tile_len, out, n,
         t.stride(0), t.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),

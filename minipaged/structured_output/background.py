@@ -40,10 +40,13 @@ class BackgroundFill:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._last: Optional[Future] = None
 
-    def start(self, seqs: Seq[Sequence], pin: bool) -> Future:
+    def start(self, seqs: Seq[Sequence], pin: bool,
+              just_read: Optional[tuple[dict[int, int], list[int]]] = None) -> Future:
         """Main thread: take each constrained, unfinished row's matcher and the tokens it has
         not accepted yet, and start the worker on them. Row i of the bitmask is `seqs[i]`.
-        Returns the Future of the FillResult."""
+        `just_read`: a step's (row_of, tokens), read but not appended yet: each sequence's
+        token there is about to be appended, so it is accepted too. Returns the Future of the
+        FillResult."""
         self.wait()
         mgr = self.manager
         jobs: list[tuple[int, Sequence, object, list[int]]] = []
@@ -56,7 +59,10 @@ class BackgroundFill:
             except Exception as exc:  # this request's grammar: it fails alone
                 errors.append((seq, exc))
                 continue
-            jobs.append((i, seq, st, seq.output_token_ids[st.num_accepted:]))
+            tokens = seq.output_token_ids[st.num_accepted:]
+            if just_read is not None and seq.seq_id in just_read[0]:
+                tokens = tokens + [just_read[1][just_read[0][seq.seq_id]]]
+            jobs.append((i, seq, st, tokens))
         if jobs:
             mgr.prepare_buffers(len(seqs), pin)
         if self._pool is None:

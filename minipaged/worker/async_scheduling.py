@@ -183,8 +183,12 @@ class AsyncScheduling:
         if defer and any(s.sampling_params.structured_outputs is not None for s in sampling):
             # Masks need the tokens before them: read the previous step's tokens (the forward
             # keeps running), then fill on the worker; sampled when the tokens are needed.
-            outputs, finished = self.read_pending()
-            fill = self.fill.start(sampling, pin=logits.is_cuda)
+            pin = logits.is_cuda
+            fills = []  # started as soon as the tokens are read, before they are processed
+            outputs, finished = self.read_pending(
+                lambda pending, tokens: fills.append(self.fill.start(
+                    sampling, pin, just_read=(pending.row_of, tokens))))
+            fill = fills[0] if fills else self.fill.start(sampling, pin)
             self.pending_step(DeferredStep(sampling, logits, fill, self.sample_deferred))
             eng._record(sched, finished, t0)
             return outputs
@@ -282,8 +286,9 @@ class AsyncScheduling:
         eng.groups.pop(seq.request_id, None)
         finished.append(seq.request_id)
 
-    def read_pending(self) -> tuple[list[RequestOutput], list[str]]:
-        """Read the previous step's tokens and process them as a synchronous step would have."""
+    def read_pending(self, before_process=None) -> tuple[list[RequestOutput], list[str]]:
+        """Read the previous step's tokens and process them as a synchronous step would have.
+        `before_process(pending, tokens)` runs between the two (it starts the next fill)."""
         pending, self.pending = self.pending, None
         if pending is None:
             return [], []
@@ -300,5 +305,7 @@ class AsyncScheduling:
         for seq in pending.ended:
             if not seq.is_finished:
                 self.finish_stopped(seq, outputs, finished)
+        if before_process is not None:
+            before_process(pending, tokens)
         self.engine._process(pending.seqs, SamplerOutput(token_ids=tokens), outputs, finished)
         return outputs, finished
