@@ -3,24 +3,26 @@
 Under async scheduling (worker/async_scheduling.py) a step with grammar-constrained rows cannot
 sample right after its forward: a row's mask needs the row's previous token, which the host
 reads only then. Filling the masks on the main thread (about 1 ms for 64 rows of a 152k-token
-vocabulary, plus a few microseconds per row to advance each matcher) would put that work into
-every step of a host that is already the bottleneck at small batches. So the work moves to one
-worker thread, and the step's sampling waits until the next step needs its tokens:
+vocabulary) would put that work into every step of a host that is already the bottleneck at
+small batches. So the fill moves to one worker thread, and the step's sampling waits until the
+next step needs its tokens:
 
-    step t     launch forward t; read and append tokens t-1; start(step t's rows) -> worker
-    worker       advance each matcher by its new tokens (one batched call), note the grammars
-                 that have ended, fill the other rows' bitmasks (xgrammar's C++ threads; the
-                 GIL is released while they run)
+    step t     launch forward t; read tokens t-1; advance each row's matcher by its token and
+               note the grammars that ended (microseconds per row); start the worker; append
+               tokens t-1 (stop checks, outputs)
+    worker       fill the rows' bitmasks: one call, on xgrammar's C++ threads, the GIL
+                 released (Python code on the worker would wait for the main thread's GIL)
     step t+1   schedule t+1 and build its inputs (the worker runs meanwhile); wait for the
                worker; apply the masks and sample step t; launch forward t+1; ...
 
 The main thread touches no matcher and no bitmask buffer while the worker runs: every path that
-does waits for it first (`wait`, or the `Future` that `start` returns). A grammar the worker finds
-ended is reported with its step, whose token for that row is then dropped and the request
-finished ("stop") before that token is appended, so the output is a synchronous step's.
+does waits for it first (`wait`, or the `Future` that `start` returns). A grammar found ended is
+reported with its step, whose token for that row is then dropped and the request finished
+("stop") before that token is appended, so the output is a synchronous step's.
 """
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple, Optional, Sequence as Seq
 
@@ -42,32 +44,42 @@ class BackgroundFill:
 
     def start(self, seqs: Seq[Sequence], pin: bool,
               just_read: Optional[tuple[dict[int, int], list[int]]] = None) -> Future:
-        """Main thread: take each constrained, unfinished row's matcher and the tokens it has
-        not accepted yet, and start the worker on them. Row i of the bitmask is `seqs[i]`.
+        """Main thread: advance each constrained, unfinished row's matcher by the tokens it has
+        not accepted yet (a microsecond or two each, in C++), note the grammars that ended, and
+        start the worker on the other rows' fill. Row i of the bitmask is `seqs[i]`.
         `just_read`: a step's (row_of, tokens), read but not appended yet: each sequence's
-        token there is about to be appended, so it is accepted too. Returns the Future of the
-        FillResult."""
+        token there is about to be appended, so it is accepted too (a sequence that stops
+        meanwhile has its row filled in vain). Returns the Future of the FillResult."""
         self.wait()
         mgr = self.manager
-        jobs: list[tuple[int, Sequence, object, list[int]]] = []
+        fill: list[tuple[int, Sequence, object]] = []
+        ended: list[Sequence] = []
         errors: list[tuple[Sequence, Exception]] = []
         for i, seq in enumerate(seqs):
             if seq.sampling_params.structured_outputs is None or seq.is_finished:
                 continue
             try:
                 st = mgr.matcher_of(seq)
+                tokens = seq.output_token_ids[st.num_accepted:]
+                if just_read is not None and seq.seq_id in just_read[0]:
+                    tokens = tokens + [just_read[1][just_read[0][seq.seq_id]]]
+                for token in tokens:
+                    if not st.matcher.accept_token(token):
+                        raise rejected_token(seq, token, st.num_accepted)
+                    st.num_accepted += 1
+                (ended.append(seq) if mgr.has_ended(st) else fill.append((i, seq, st)))
             except Exception as exc:  # this request's grammar: it fails alone
                 errors.append((seq, exc))
-                continue
-            tokens = seq.output_token_ids[st.num_accepted:]
-            if just_read is not None and seq.seq_id in just_read[0]:
-                tokens = tokens + [just_read[1][just_read[0][seq.seq_id]]]
-            jobs.append((i, seq, st, tokens))
-        if jobs:
+        if fill:
             mgr.prepare_buffers(len(seqs), pin)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="minipaged-grammar")
-        self._last = self._pool.submit(self._run, jobs, errors)
+        # The worker needs the GIL to begin, and the main thread's pure-Python work that follows
+        # (appending tokens, scheduling) would not give it up for milliseconds: wait (GIL
+        # released) until the worker is about to enter the fill, which then releases it.
+        begun = threading.Event()
+        self._last = self._pool.submit(self._run, fill, ended, errors, begun)
+        begun.wait()
         return self._last
 
     def wait(self) -> None:
@@ -76,47 +88,24 @@ class BackgroundFill:
             self._last.exception()  # waits; an error is the Future's, not ours
             self._last = None
 
-    def _run(self, jobs, errors) -> FillResult:
-        """Worker thread: advance, find the ends, fill."""
+    def _run(self, fill, ended, errors, begun: threading.Event) -> FillResult:
+        """Worker thread: fill the rows' bitmasks (one call; its C++ threads release the GIL)."""
         mgr = self.manager
-        xgr = mgr._xgr()
-        ok_jobs = []
-        singles = [job for job in jobs if len(job[3]) == 1]  # the common case: one new token
-        accepted = xgr.BatchGrammarMatcher.batch_accept_token(
-            [st.matcher for _, _, st, _ in singles], [toks[0] for *_, toks in singles]
-        ) if singles else []
-        verdict = {id(job): ok for job, ok in zip(singles, accepted)}
-        for job in jobs:
-            i, seq, st, tokens = job
-            try:
-                if id(job) in verdict:
-                    if not verdict[id(job)]:
-                        raise rejected_token(seq, tokens[0], st.num_accepted)
-                    st.num_accepted += 1
-                else:  # none yet, or several (a sequence that came back from preemption)
-                    for token in tokens:
-                        if not st.matcher.accept_token(token):
-                            raise rejected_token(seq, token, st.num_accepted)
-                        st.num_accepted += 1
-                ok_jobs.append(job)
-            except Exception as exc:
-                errors.append((seq, exc))
-        ended, fill = [], []
-        for job in ok_jobs:
-            (ended if mgr.has_ended(job[2]) else fill).append(job)
-        rows = [i for i, *_ in fill]
+        try:
+            rows = [i for i, _, _ in fill]
+            matchers = [st.matcher for _, _, st in fill]
+        finally:
+            begun.set()
         if rows:
             try:
                 # (rows, ceil(vocab / 32)) int32: bit t of row i = token t allowed
-                mgr._batch.batch_fill_next_token_bitmask([st.matcher for _, _, st, _ in fill],
-                                                         mgr._bitmask, indices=rows)
+                mgr._batch.batch_fill_next_token_bitmask(matchers, mgr._bitmask, indices=rows)
             except Exception:  # find the row: one at a time
                 rows = []
-                for i, seq, st, _ in fill:
+                for i, seq, st in fill:
                     try:
                         st.matcher.fill_next_token_bitmask(mgr._bitmask, i)
                         rows.append(i)
                     except Exception as exc:
                         errors.append((seq, exc))
-        return FillResult(rows, [seq for _, seq, _, _ in ended], errors)
-
+        return FillResult(rows, ended, errors)
