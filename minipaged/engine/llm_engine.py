@@ -84,9 +84,9 @@ class LLMEngine:
             from minipaged.lora.manager import LoRAModelManager
             self.lora_manager = LoRAModelManager(
                 self.model, self.model_config, max_loras=config.max_loras,
-                max_lora_rank=config.max_lora_rank,
+                max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras,
                 max_num_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
-                device=self.device, dtype=self.dtype)
+                device=self.device, dtype=self.dtype, live_lora_ids=self._live_lora_ids)
         self.tokenizer = load_tokenizer(self.source, config.tokenizer)
         self.eos_token_ids = self._eos_ids()
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
@@ -235,6 +235,10 @@ class LLMEngine:
             self.lora_manager.add_adapter(lora_request)
         except ValueError as e:
             raise RequestError(f"request {request_id!r}: {e}") from None
+
+    def _live_lora_ids(self) -> set[int]:
+        """The adapters of the unfinished requests (the LoRA CPU cache keeps them first)."""
+        return {s.lora_int_id for s in self.requests.values()} - {0}
 
     def _check_group_fits(self, request_id: str, size: int, knob: str, max_len: int,
                           all_resident: bool) -> None:
