@@ -22,7 +22,7 @@ from tests.test_lora import (N_NEW, PROMPTS, adapters, base_tokens, greedy,  # n
 peft = pytest.importorskip("peft")
 
 
-# --- RequestOutput.lora_request --------------------------------------------------------------------
+# --- RequestOutput.lora_request ------------------------------------------------------------------
 def test_every_output_carries_its_lora_request(adapters):
     a, b = adapters["all8"][0], adapters["attn4"][0]
     llm = lora_llm()
@@ -53,7 +53,7 @@ def test_every_output_carries_its_lora_request(adapters):
     assert plain.generate(PROMPTS[:1], greedy(2), use_tqdm=False)[0].lora_request is None
 
 
-# --- max_cpu_loras ---------------------------------------------------------------------------------
+# --- max_cpu_loras -------------------------------------------------------------------------------
 def test_max_cpu_loras_config():
     with pytest.raises(ValueError, match=r"max_cpu_loras must be None or an integer >= 3 "
                                          r"\(max_loras=3.*got 2"):
@@ -144,7 +144,7 @@ def test_dropped_adapter_whose_folder_is_gone_fails_with_its_name(adapters, tmp_
         llm.engine.step()
 
 
-# --- beam search and n > 1 -------------------------------------------------------------------------
+# --- beam search and n > 1 -----------------------------------------------------------------------
 def test_beam_search_with_adapters_equals_hf_beams_on_peft(adapters, stories_hf):
     """Three prompts with two adapters and the base model, one slot: the beams of an adapter
     wait for it as a group; every beam keeps its prompt's adapter when it forks."""

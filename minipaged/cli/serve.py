@@ -226,7 +226,8 @@ def banner(a, app, port: Optional[int] = None) -> str:
     loras = app.state.chat.lora_requests
     if loras:
         lines.append(f"  LoRA adapters (request `model`): {', '.join(loras)}; {cfg.max_loras} on "
-                     f"the device at once, rank <= {cfg.max_lora_rank}")
+                     f"the device at once, rank <= {cfg.max_lora_rank}, {cfg.max_cpu_loras} "
+                     "kept in CPU memory")
     if a.root_path:
         lines.append(f"  behind a proxy at {a.root_path}: clients use <proxy>{a.root_path}/v1")
     if a.allowed_origins:

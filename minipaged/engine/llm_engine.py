@@ -171,7 +171,7 @@ class LLMEngine:
         """Queue a request. Raises `RequestError` (and queues nothing) if it can never be served.
 
         `lora_request` runs it with that LoRA adapter (needs `enable_lora`; the adapter is read
-        and checked here, once per `lora_int_id`).
+        and checked here unless the LoRA CPU cache or a device slot already holds it).
 
         `BeamSearchParams` queue a beam search (what `LLM.beam_search` does); `SamplingParams`
         with `n > 1` queue n samples of one prompt.
