@@ -142,6 +142,11 @@ def test_dropped_adapter_whose_folder_is_gone_fails_with_its_name(adapters, tmp_
     with pytest.raises(RuntimeError, match="'all8' .* was dropped from the CPU cache and cannot "
                                            "be read again: .*lora_path is not a folder"):
         llm.engine.step()
+    llm.engine.abort_request(["a", "b"])  # what LLM.generate does when a step raises
+    assert tokens(llm.generate(PROMPTS, greedy(), use_tqdm=False, lora_request=b)) == \
+        adapters["attn4"][1]  # the engine goes on
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
 
 
 # --- beam search and n > 1 -----------------------------------------------------------------------
