@@ -70,8 +70,8 @@ def _watch_cpu_cache(manager) -> list[int]:
     sizes: list[int] = []
     read = manager._read
 
-    def watched(req):
-        adapter = read(req)
+    def watched(req, *keep):
+        adapter = read(req, *keep)
         sizes.append(len(manager.adapters))
         return adapter
     manager._read = watched
@@ -132,21 +132,54 @@ def test_cpu_cache_keeps_a_waiting_requests_adapter(adapters):
     assert done == {"a": want_a[0], "b": want_b[0], "c": want_c[0]}
 
 
-def test_dropped_adapter_whose_folder_is_gone_fails_with_its_name(adapters, tmp_path):
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2,
+         "prompt_lookup_min": 1}
+
+
+@pytest.mark.parametrize("step", [{}, {"async_scheduling": True}, {"speculative_config": NGRAM}],
+                         ids=["sync", "async", "speculative"])
+def test_dropped_adapter_whose_folder_is_gone_fails_alone(adapters, base_tokens, tmp_path, step):
+    """An adapter the CPU cache dropped is read again before its step; its folder is gone, so
+    its request fails alone (before the forward) and the others keep their exact tokens."""
     a, b = (LoRARequest(n, i, str(shutil.copytree(adapters[n][0].lora_path, tmp_path / n)))
             for i, n in ((1, "all8"), (2, "attn4")))
-    llm = lora_llm(max_loras=1, max_cpu_loras=1)
-    llm.engine.add_request("a", PROMPTS[0], greedy(2), lora_request=a)
-    llm.engine.add_request("b", PROMPTS[0], greedy(2), lora_request=b)  # drops a's copy
+    llm = lora_llm(max_loras=1, max_cpu_loras=1, **step)
+    engine = llm.engine
+    engine.add_request("a", PROMPTS[0], greedy(), lora_request=a)
+    engine.add_request("base", PROMPTS[1], greedy())
+    engine.add_request("b", PROMPTS[2], greedy(), lora_request=b)  # drops a's copy
     shutil.rmtree(a.lora_path)
-    with pytest.raises(RuntimeError, match="'all8' .* was dropped from the CPU cache and cannot "
-                                           "be read again: .*lora_path is not a folder"):
-        llm.engine.step()
-    llm.engine.abort_request(["a", "b"])  # what LLM.generate does when a step raises
-    assert tokens(llm.generate(PROMPTS, greedy(), use_tqdm=False, lora_request=b)) == \
-        adapters["attn4"][1]  # the engine goes on
-    bm = llm.engine.block_manager
+    done = {}
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+    assert done["a"].outputs[0].finish_reason == "error" and done["a"].outputs[0].token_ids == []
+    assert done["a"].error.startswith("ValueError: LoRA adapter 'all8' (lora_int_id=1) was "
+                                      "dropped from the CPU cache and cannot be read again: ")
+    assert "lora_path is not a folder" in done["a"].error
+    assert done["base"].outputs[0].token_ids == base_tokens[1]
+    assert done["b"].outputs[0].token_ids == adapters["attn4"][1][2]
+    assert any("a" in r.finished for r in llm.trace)
+    bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+    bm.check_invariants([])
+
+
+def test_a_step_whose_only_requests_fail_is_progress(adapters, tmp_path):
+    """The failed request was all the step had (the other waits for the slot): the step
+    reports it, and the engine does not take the empty step for a stuck scheduler."""
+    a = LoRARequest("all8", 1, str(shutil.copytree(adapters["all8"][0].lora_path, tmp_path / "a")))
+    llm = lora_llm(max_loras=1, max_cpu_loras=1)
+    engine = llm.engine
+    engine.add_request("a", PROMPTS[0], greedy(), lora_request=a)
+    engine.add_request("b", PROMPTS[2], greedy(), lora_request=adapters["attn4"][0])
+    shutil.rmtree(a.lora_path)
+    first = engine.step()
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in first] == [("a", "error")]
+    assert llm.trace[-1].finished == ["a"] and llm.trace[-1].scheduled == []
+    done = {}
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+    assert done == {"b": adapters["attn4"][1][2]}
 
 
 # --- beam search and n > 1 -----------------------------------------------------------------------

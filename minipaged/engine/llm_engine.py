@@ -122,6 +122,8 @@ class LLMEngine:
             [] if config.max_trace_len is None else deque(maxlen=config.max_trace_len))
         self._prefix_stats = (0, 0)  # block manager's (queries, hits) at the last StepRecord
         self._wait_time = 0.0  # this step's wait for the GPU's tokens (StepRecord.wait_time)
+        self._failed_outputs: list[RequestOutput] = []  # failed before the forward (with_failed)
+        self._failed_ids: list[str] = []  # ... and their ids, for the step's StepRecord
         self.stream_outputs = False  # True: step() also reports unfinished requests, with text
         self._start = time.perf_counter()
         self._step_counter = 0
@@ -277,27 +279,50 @@ class LLMEngine:
         sched = self._schedule()
         if sched.is_empty:
             self._check_progress(sched)
-            if sched.preempted:  # all it could do was make room (a group outgrew the cache)
+            if sched.preempted or self._failed_ids:  # all it did: make room, or fail requests
                 self._record(sched, [], t0)
-            return []
+            return self.with_failed([])
         logits = self.model_runner.execute(sched)  # (num_sampling_seqs, vocab)
         sampling = self._computed(sched)
         outputs, finished = self._sample_and_process(logits, sampling)
         self._record(sched, finished, t0)
-        return outputs
+        return self.with_failed(outputs)
 
     def _schedule(self) -> SchedulerOutput:
         """Plan the step, and move swapped blocks before the forward (freed GPU blocks may be
         rewritten by this very step)."""
         sched = self.scheduler.schedule()
+        if self.lora_manager is not None:  # adapters the LoRA CPU cache dropped: read again
+            self._fail_unreadable_adapters(sched)
         swap_out_blocks(self.kv_cache, self.cpu_cache, sched.blocks_to_swap_out)
         swap_in_blocks(self.cpu_cache, self.kv_cache, sched.blocks_to_swap_in)
         if self.groups and sched.preempted:
             groups.drop_beam_logits(sched.preempted)
         return sched
 
+    def _fail_unreadable_adapters(self, sched: SchedulerOutput) -> None:
+        """Read again the adapters of the step that the LoRA CPU cache dropped. If one's folder
+        cannot be read any more, its requests fail alone before the forward (freeing their
+        blocks withdraws what the step would have written from the prefix cache); their
+        outputs go out with the step's (`with_failed`)."""
+        failed = self.lora_manager.read_dropped({s.seq.lora_int_id for s in sched.scheduled})
+        if not failed:
+            return
+        for s in sched.scheduled:
+            if s.seq.lora_int_id in failed:
+                self._fail(s.seq, failed[s.seq.lora_int_id], self._failed_outputs,
+                           self._failed_ids)
+        sched.scheduled = [s for s in sched.scheduled if s.seq.lora_int_id not in failed]
+
+    def with_failed(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """A step's outputs, after those of requests that failed before its forward."""
+        if not self._failed_outputs:
+            return outputs
+        failed, self._failed_outputs = self._failed_outputs, []
+        return failed + outputs
+
     def _check_progress(self, sched: SchedulerOutput) -> None:
-        if not sched.preempted and self.scheduler.has_unfinished():
+        if not sched.preempted and not self._failed_outputs and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler could not make progress: no sequence fits in the "
                                "KV cache (this is a bug; the config check should prevent it)")
 
@@ -431,6 +456,7 @@ class LLMEngine:
     def _record(self, sched: SchedulerOutput, finished: list[str], t0: float) -> None:
         """Append this step's StepRecord to the trace (engine/trace.py builds it)."""
         bm = self.block_manager
+        finished, self._failed_ids = self._failed_ids + finished, []
         queries, hits = self._prefix_stats
         self._prefix_stats = (bm.prefix_queries, bm.prefix_hits)
         self.trace.append(step_record(self, sched, finished, t0, bm.prefix_queries - queries,

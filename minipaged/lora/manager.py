@@ -7,19 +7,21 @@
 * per request (`add_adapter`): reads and checks the PEFT folder (adapter.py) unless its
   adapter is cached or in a slot, and keeps its tensors in the CPU cache (`adapters`, keyed by
   `lora_int_id`, at most `max_cpu_loras` of them);
-* per step (`prepare_step`): makes sure each adapter of the scheduled sequences sits in a slot
-  (a free one, or the least recently used slot whose adapter this step does not need; an
-  adapter the CPU cache has dropped is read again from its folder first), and gives the punica
-  wrapper the slot of every token, in the order of the runner's input_ids.
+* per step: `read_dropped` (the engine calls it once the step is planned) reads again the
+  step's adapters that the CPU cache has dropped; `prepare_step` makes sure each adapter of the
+  scheduled sequences sits in a slot (a free one, or the least recently used slot whose adapter
+  this step does not need), and gives the punica wrapper the slot of every token, in the order
+  of the runner's input_ids.
 
 The CPU cache makes room by dropping, least recently used first (`cpu_victim`), an adapter no
 live request runs and no slot holds; failing that, the CPU copy of one a slot holds (its
 weights stay in the slot: the copy only serves to load it again); failing that, the copy of one
-a waiting request runs (read again from its folder when that request is scheduled).
+a waiting request runs: `read_dropped` reads it again before the step that schedules the
+request (LLMEngine._schedule), and if its folder is gone, its requests fail alone.
 
 The scheduler never runs more distinct adapters in one step than there are slots
 (engine/scheduler.py: a request whose adapter finds no slot waits), so a slot can always be
-found.
+found, and (max_cpu_loras >= max_loras) the step's adapters fit in the CPU cache together.
 """
 from __future__ import annotations
 
@@ -97,26 +99,48 @@ class LoRAModelManager:
         elif lora_id not in self.slot_of:
             self._read(req)
 
-    def _read(self, req: LoRARequest) -> LoRAAdapter:
-        """Read `req`'s folder into the CPU cache, first dropping what exceeds max_cpu_loras."""
+    def _read(self, req: LoRARequest, keep: frozenset[int] = frozenset()) -> LoRAAdapter:
+        """Read `req`'s folder into the CPU cache, first dropping what exceeds max_cpu_loras
+        (never an adapter in `keep`: those the step being prepared loads)."""
         adapter = load_adapter(req.lora_name, req.lora_int_id, req.lora_path,
                                self.model_config, self.max_lora_rank)
         self.num_reads += 1
         self.known[req.lora_int_id] = req
         if len(self.adapters) >= self.max_cpu_loras:
-            victim = cpu_victim(list(self.adapters), self.slot_of, self.live_lora_ids())
+            victim = cpu_victim([i for i in self.adapters if i not in keep], self.slot_of,
+                                self.live_lora_ids())
             del self.adapters[victim]
             self.num_cpu_evictions += 1
         self.adapters[req.lora_int_id] = adapter
         return adapter
 
+    def read_dropped(self, lora_ids: set[int]) -> dict[int, ValueError]:
+        """Before a step: read again the adapters among `lora_ids` (the step's) that are neither
+        in a slot nor in the CPU cache. Returns {lora_int_id: why} for folders that cannot be
+        read any more (the engine fails their requests alone)."""
+        needed = lora_ids - {0}
+        if len(needed) > self.max_loras:  # (then they would not fit in the CPU cache either)
+            raise RuntimeError(f"{len(needed)} adapters scheduled in one step, but max_loras="
+                               f"{self.max_loras} (the scheduler should have kept them waiting)")
+        failed: dict[int, ValueError] = {}
+        keep = frozenset(needed)
+        for lora_id in needed - set(self.slot_of) - set(self.adapters):
+            req = self.known[lora_id]
+            try:
+                self._read(req, keep)
+            except ValueError as e:
+                failed[lora_id] = ValueError(f"LoRA adapter {req.lora_name!r} (lora_int_id="
+                                             f"{lora_id}) was dropped from the CPU cache and "
+                                             f"cannot be read again: {e}")
+        return failed
+
     # --- the step ---------------------------------------------------------------------------
     def prepare_step(self, entries) -> None:
         """`entries`: the step's ScheduledSeqs in the runner's token order."""
         needed = {e.seq.lora_int_id for e in entries} - {0}
-        if len(needed) > self.max_loras:
-            raise RuntimeError(f"{len(needed)} adapters scheduled in one step, but max_loras="
-                               f"{self.max_loras} (the scheduler should have kept them waiting)")
+        failed = self.read_dropped(needed)  # (LLMEngine._schedule has read them already)
+        if failed:
+            raise RuntimeError(str(next(iter(failed.values()))))
         for lora_id in needed:
             self._activate(lora_id, needed)
         token_lora: list[int] = []
@@ -129,17 +153,8 @@ class LoRAModelManager:
         if lora_id in self.slot_of:
             self.slot_of.move_to_end(lora_id)  # most recently used
             return
-        adapter = self.adapters.get(lora_id)
-        if adapter is None:  # the CPU cache dropped it: read its folder again
-            req = self.known[lora_id]
-            try:
-                adapter = self._read(req)
-            except ValueError as e:
-                raise RuntimeError(f"LoRA adapter {req.lora_name!r} (lora_int_id={lora_id}) was "
-                                   f"dropped from the CPU cache and cannot be read again: {e}") \
-                    from None
-        else:
-            self.adapters.move_to_end(lora_id)
+        self.adapters.move_to_end(lora_id)
+        adapter = self.adapters[lora_id]  # in the CPU cache: read_dropped saw to it
         if self.free_slots:
             slot = self.free_slots.pop()
         else:  # evict the least recently used adapter that this step does not run

@@ -139,10 +139,12 @@ class AsyncScheduling:
             if self.pending is None:
                 eng._check_progress(sched)
                 if not sched.preempted:
-                    return []
+                    if eng._failed_ids:  # requests failed before the forward (llm_engine.py)
+                        eng._record(sched, [], t0)
+                    return eng.with_failed([])
             outputs, finished = self.read_pending()  # nothing to run, but tokens to read
             eng._record(sched, finished, t0)
-            return outputs
+            return eng.with_failed(outputs)
         # The forward is queued on the GPU; nothing below waits for it until tokens are read.
         logits = eng.model_runner.execute(sched, self.pending)
         sampling = eng._computed(sched)
@@ -166,12 +168,12 @@ class AsyncScheduling:
                 for seq in pending.seqs:
                     eng.scheduler.token_read(seq)
             eng._record(sched, finished, t0)
-            return outputs
+            return eng.with_failed(outputs)
         earlier_outputs, earlier_finished = self.read_pending()  # this step needs them all
         outputs, finished = outputs + earlier_outputs, finished + earlier_finished
         more_outputs, more_finished = eng._sample_and_process(logits, sampling)
         eng._record(sched, finished + more_finished, t0)
-        return outputs + more_outputs
+        return eng.with_failed(outputs + more_outputs)
 
     def sample(self, logits: torch.Tensor, sampling: list[Sequence]) -> Optional[PendingStep]:
         """This step's tokens, left on the device. None if the sampler raised: the step is then
