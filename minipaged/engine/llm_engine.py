@@ -191,8 +191,8 @@ class LLMEngine:
                 self.structured_output.compile(params.structured_outputs)
             except ValueError as e:
                 raise RequestError(f"{e} (request {request_id!r})") from None
-        if lora_request is not None:
-            self._check_lora(request_id, lora_request)
+        if lora_request is not None:  # read and checked here (lora/manager.py)
+            processor.check_lora(request_id, lora_request, self.lora_manager)
         text, token_ids = processor.prompt_token_ids(request_id, prompt, vocab, self.tokenize)
         max_len = self.config.max_model_len
         if len(token_ids) >= max_len:
@@ -203,8 +203,9 @@ class LLMEngine:
                 f"(the model allows up to {self.model_config.max_position_embeddings}).")
         beam = None
         if isinstance(params, BeamSearchParams):
-            self._check_group_fits(request_id, params.beam_width, "beam_width",
-                                   len(token_ids) + params.max_tokens, all_resident=True)
+            processor.check_group_fits(request_id, params.beam_width, "beam_width",
+                                       len(token_ids) + params.max_tokens, self.config,
+                                       self.block_manager, all_resident=True)
             beam = BeamSearchState(params, self.eos_token_ids, len(token_ids), max_len)
             size = params.beam_width
             params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens,
@@ -212,7 +213,8 @@ class LLMEngine:
         else:
             size = params.n
             if size > 1:
-                self._check_group_fits(request_id, size, "n", 0, all_resident=False)
+                processor.check_group_fits(request_id, size, "n", 0, self.config,
+                                           self.block_manager, all_resident=False)
         seq = Sequence(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
                        prompt=text, arrival_time=arrival_time or time.time(),
                        lora_request=lora_request)
@@ -225,38 +227,9 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def _check_lora(self, request_id: str, lora_request) -> None:
-        if not isinstance(lora_request, LoRARequest):
-            raise RequestError(f"request {request_id!r}: lora_request must be a LoRARequest, got "
-                               f"{type(lora_request).__name__}")
-        if self.lora_manager is None:
-            raise RequestError(f"request {request_id!r} asks for LoRA adapter "
-                               f"{lora_request.lora_name!r}, but the engine was built without "
-                               "adapters: pass enable_lora=True (--enable-lora)")
-        try:
-            self.lora_manager.add_adapter(lora_request)
-        except ValueError as e:
-            raise RequestError(f"request {request_id!r}: {e}") from None
-
     def _live_lora_ids(self) -> set[int]:
         """The adapters of the unfinished requests (the LoRA CPU cache keeps them first)."""
         return {s.lora_int_id for s in self.requests.values()} - {0}
-
-    def _check_group_fits(self, request_id: str, size: int, knob: str, max_len: int,
-                          all_resident: bool) -> None:
-        cfg = self.config
-        if size > cfg.max_num_seqs:
-            raise RequestError(f"request {request_id!r}: {knob}={size} sequences cannot run at "
-                               f"once with max_num_seqs={cfg.max_num_seqs}. Lower {knob} or raise "
-                               f"max_num_seqs.")
-        if all_resident:  # every beam must be in the cache at once, in the worst case unshared
-            need = size * self.block_manager.num_blocks_for(min(max_len, cfg.max_model_len))
-            if need > self.num_blocks:
-                raise RequestError(
-                    f"request {request_id!r}: {knob}={size} beams of up to "
-                    f"{min(max_len, cfg.max_model_len)} tokens may need {need} KV blocks at once "
-                    f"(if they share nothing), but the cache has {self.num_blocks}. Lower {knob} "
-                    f"or max_tokens, or give the cache more blocks.")
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
