@@ -115,6 +115,10 @@ class EngineConfig:
         1, "adapters held on the device at once (weight slots, least recently used evicted) "
            "and the most distinct adapters in one step; more wait (enable_lora)")
     max_lora_rank: int = _knob(16, "largest adapter rank r the slots hold (enable_lora)")
+    max_cpu_loras: Optional[int] = _knob(
+        None, "adapters kept in CPU memory once read from their folders, least recently used "
+              "dropped (read again when a request needs it); >= max_loras; auto: max_loras "
+              "(enable_lora)")
     speculative_config: Optional[dict] = _knob(
         None, "speculative decoding (vLLM's dict; on the command line as JSON): "
               "{\"method\": \"ngram\", \"num_speculative_tokens\": K, \"prompt_lookup_max\": M, "
@@ -165,6 +169,9 @@ class EngineConfig:
         check_bool("enable_lora", self.enable_lora)
         check_int("max_loras", self.max_loras, lo=1)
         check_int("max_lora_rank", self.max_lora_rank, lo=1, hi=512)
+        check_int("max_cpu_loras", self.max_cpu_loras, lo=self.max_loras, optional=True,
+                  note=f" (max_loras={self.max_loras}: the CPU keeps at least the adapters the "
+                       "device holds; None: max_loras)")
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError(f"enable_lora is not supported with tensor_parallel_size="
                              f"{self.tensor_parallel_size} yet; use tensor_parallel_size=1")
@@ -205,7 +212,8 @@ class EngineConfig:
         if async_scheduling is None:  # speculation needs each step's tokens before the next
             async_scheduling = cuda and self.speculative_config is None
         out = replace(self, device=device, dtype=dtype, attention_backend=backend, fused_ops=fused,
-                      cpu_threads=threads, async_scheduling=async_scheduling)
+                      cpu_threads=threads, async_scheduling=async_scheduling,
+                      max_cpu_loras=self.max_cpu_loras or self.max_loras)
         out._resolve_lengths(model_config.max_position_embeddings)
         if out.tensor_parallel_size > 1:  # heads, vocabulary and devices must split N ways
             from minipaged.distributed.parallel_state import check_tensor_parallel

@@ -15,7 +15,8 @@ runs a beam search in the same engine (lesson 06).
 
 `LLM(..., enable_lora=True, max_loras=4)` serves PEFT LoRA adapters: `generate(prompts, params,
 lora_request=LoRARequest("name", 1, "path/to/adapter"))`, or a list with one per prompt (None:
-the base model); different adapters run in the same batch (minipaged/lora/).
+the base model); different adapters run in the same batch (minipaged/lora/). `beam_search`
+takes `lora_request` too, and every `RequestOutput` says which adapter it ran with.
 
 Bad input is refused before anything is queued (`RequestError`, naming the prompt). A request
 that fails while it runs raises `RequestError` too, once the call's other requests are aborted:
@@ -86,18 +87,26 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params must be one SamplingParams or a list of one per "
                              f"prompt ({len(prompts)}), got a list of {len(params)}")
-        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
-                 else [lora_request] * len(prompts))
-        if len(loras) != len(prompts):
-            raise ValueError(f"lora_request must be one LoRARequest (or None) or a list of one "
-                             f"per prompt ({len(prompts)}), got a list of {len(loras)}")
+        loras = self._lora_per_prompt(lora_request, len(prompts))
         return self._run(self._add(prompts, params, loras), use_tqdm)
 
+    @staticmethod
+    def _lora_per_prompt(lora_request, num_prompts: int) -> list[Optional[LoRARequest]]:
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * num_prompts)
+        if len(loras) != num_prompts:
+            raise ValueError(f"lora_request must be one LoRARequest (or None) or a list of one "
+                             f"per prompt ({num_prompts}), got a list of {len(loras)}")
+        return loras
+
     def beam_search(self, prompts, params: BeamSearchParams,
+                    lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
-        """Beam search for every prompt (vLLM's API; HF's rules, see `beam_search.py`)."""
+        """Beam search for every prompt (vLLM's API; HF's rules, see `beam_search.py`).
+        `lora_request` as in `generate`: every beam runs with its prompt's adapter."""
         prompts = self._normalize_prompts(prompts)
-        outs = self._run(self._add(prompts, [params] * len(prompts)), use_tqdm)
+        loras = self._lora_per_prompt(lora_request, len(prompts))
+        outs = self._run(self._add(prompts, [params] * len(prompts), loras), use_tqdm)
         tok = self.engine.tokenizer
         results = []
         for out in outs:

@@ -58,6 +58,14 @@ TEACHING_ERRORS = {
                           ["choose from auto, torch_ref, triton"]),
     "demo --num-requests 0": (["demo", "--num-requests", "0"], ["--num-requests"]),
     "unknown command": (["sevre"], ["unknown command 'sevre'", "serve"]),
+    "--lora without its module": (["generate", "--enable-lora", "--lora", "sql"],
+                                  ["--lora 'sql' is not one of the --lora-modules adapters",
+                                   "give --lora-modules NAME=PATH"]),
+    "--lora-modules without --enable-lora": (["chat", "--lora-modules", "sql=/x", "-q", "Hi"],
+                                             ["--lora-modules needs --enable-lora"]),
+    "--max-cpu-loras below --max-loras": (["generate", "--max-loras", "2", "--max-cpu-loras", "1"],
+                                          ["max_cpu_loras must be None or an integer >= 2",
+                                           "got 1"]),
 }
 
 
@@ -174,6 +182,36 @@ def test_chat_quick_answers_once():
             "--max-tokens", "6")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(", there was a little")
+
+
+@pytest.fixture(scope="module")
+def lora_dir(tmp_path_factory):
+    """A random rank-8 adapter for stories260K in PEFT's format (lora/random_adapter.py)."""
+    import json
+    from minipaged.lora.random_adapter import save_random_adapter
+    from minipaged.models.config import ModelConfig
+    from minipaged.models.loader import resolve_builtin
+    cfg = ModelConfig.from_dict(json.load(open(resolve_builtin("stories260K") / "config.json")))
+    return save_random_adapter(str(tmp_path_factory.mktemp("lora") / "tiny"), cfg, rank=8,
+                               seed=3, std=0.3)
+
+
+def test_generate_and_chat_run_a_lora_adapter(lora_dir):
+    from minipaged import LLM, LoRARequest, SamplingParams
+    llm = LLM("stories260K", enable_lora=True, device="cpu", num_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    want, base = (llm.generate(["Once upon a time"], params, use_tqdm=False,
+                               lora_request=lora)[0].outputs[0].text
+                  for lora in (LoRARequest("tiny", 1, lora_dir), None))
+    assert want != base
+    lora = ["--enable-lora", "--max-tokens", "8", "--temperature", "0", "--lora", "tiny"]
+    r = run("generate", "stories260K", *lora, "--lora-modules", f"tiny={lora_dir}")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"Once upon a time{want}\n[8 tokens, finish_reason=length, lora=tiny]\n"
+    r = run("chat", "stories260K", "-q", "Once upon a time", *lora, "--lora-modules",
+            f'{{"name": "tiny", "path": "{lora_dir}"}}')  # vLLM's JSON form
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want + "\n"
 
 
 def test_ssl_flags_are_checked_before_loading(tmp_path):

@@ -34,7 +34,7 @@ def test_generate_chat_bench_and_serve_list_the_same_engine_flags(capsys):
         assert flag_names(f.name, twins=False)[0] in flags["serve"], f.name
     for name in ("--kv-cache-dtype", "--no-async-scheduling", "--no-fused-ops",
                  "--no-enable-prefix-caching", "--preemption-mode", "--swap-space",
-                 "--download-dir", "--revision"):
+                 "--download-dir", "--revision", "--max-loras", "--max-cpu-loras"):
         assert name in flags["serve"]
 
 
@@ -56,10 +56,12 @@ def test_flags_become_the_config_they_name():
     add_engine_args(p)
     cfg = engine_config_from_args(p.parse_args(
         ["dummy:qwen3-0.6b", "--max_model_len", "64", "--no-async-scheduling",
-         "--kv-cache-dtype", "fp8", "--no-enable-prefix-caching", "--fused-ops"]))
+         "--kv-cache-dtype", "fp8", "--no-enable-prefix-caching", "--fused-ops",
+         "--max-cpu-loras", "3"]))
     assert cfg.model == "dummy:qwen3-0.6b" and cfg.max_model_len == 64
     assert cfg.async_scheduling is False and cfg.fused_ops is True
     assert cfg.kv_cache_dtype == "fp8" and cfg.enable_prefix_caching is False
+    assert cfg.max_cpu_loras == 3
     defaults = engine_config_from_args(p.parse_args([]))
     assert defaults == EngineConfig()  # no flag given: the dataclass's own defaults
     with pytest.raises(SystemExit):

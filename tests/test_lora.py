@@ -331,7 +331,8 @@ def test_server_serves_adapters_by_model_name(adapters, base_tokens):
     try:
         from minipaged.cli.serve import banner, parse_args
         assert "LoRA adapters (request `model`): ad1, ad2, big; 2 on the device at once, " \
-               "rank <= 8" in banner(parse_args(["stories260K"]), server.app, port=1)
+               "rank <= 8, 2 kept in CPU memory" in banner(parse_args(["stories260K"]),
+                                                             server.app, port=1)
         models = httpx.get(server.url + "/v1/models").json()["data"]
         assert [(m["id"], m["parent"], m["root"]) for m in models][1:3] == [
             ("ad1", "stories260K", a.lora_path), ("ad2", "stories260K", b.lora_path)]

@@ -175,6 +175,7 @@ CONFIG_FIELDS = {
     "enable_lora": (st.booleans(), bad_bools()),
     "max_loras": (ints(1, BIG), bad_ints(1)),
     "max_lora_rank": (ints(1, 512), bad_ints(1, 512)),
+    "max_cpu_loras": (optional(ints(1, BIG)), bad_ints(1, none_ok=True)),  # >= max_loras (1)
     "speculative_config": (
         optional(st.builds(lambda k, m: {"method": "ngram", "num_speculative_tokens": k,
                                          "prompt_lookup_max": m, "prompt_lookup_min": 1},

@@ -3,12 +3,14 @@
     minipaged chat stories260K                          each line you type is continued
     minipaged chat stories260K -q "Once upon a time"    one message, one reply, exit (vLLM's -q)
     minipaged chat Qwen/Qwen3-0.6B --system-prompt "Be brief." --max-tokens 256
+    minipaged chat stories260K --enable-lora --lora-modules sql=/adapters/sql --lora sql
 
 With a chat template (the tokenizer's, or `--chat-template FILE_OR_JINJA` as in `serve`) the
 conversation is kept and rendered through it every turn, `--system-prompt` first. Without one
 (stories260K is a base model: it only continues text) every line is a fresh prompt and the reply
 is its continuation. Ctrl-D or /exit ends the chat. (vLLM's `vllm chat` is a client of a running
 server; this one runs the engine in the terminal's process, like `minipaged generate`.)
+`--lora NAME` answers with that `--lora-modules` adapter (lora_args.py, as `serve`).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Optional
 from minipaged.cli.args import (FlexibleArgumentParser, add_common_args, add_engine_args,
                                 engine_config_from_args, int_at_least)
 from minipaged.cli.errors import run_command
+from minipaged.cli.lora_args import add_lora_pick_arg, picked_lora
 
 
 def make_parser() -> FlexibleArgumentParser:
@@ -34,6 +37,7 @@ def make_parser() -> FlexibleArgumentParser:
     c.add_argument("--max-tokens", type=int_at_least(1), default=128,
                    help="most new tokens per reply")
     c.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    add_lora_pick_arg(ap.add_argument_group("LoRA adapters"))
     add_engine_args(ap)
     add_common_args(ap)
     return ap
@@ -62,6 +66,7 @@ class Conversation:
 def chat(argv: list[str]) -> int:
     a = make_parser().parse_args(argv)
     config = engine_config_from_args(a)
+    lora = picked_lora(a, config)
     from minipaged.cli.serve import load_chat_template
     template = load_chat_template(a.chat_template)
     from minipaged import LLM, SamplingParams
@@ -78,7 +83,8 @@ def chat(argv: list[str]) -> int:
     conversation = Conversation(tokenizer, template, a.system_prompt)
 
     def reply(text: str) -> str:
-        out = llm.generate([conversation.prompt(text)], params, use_tqdm=False)[0]
+        out = llm.generate([conversation.prompt(text)], params, use_tqdm=False,
+                           lora_request=lora)[0]
         conversation.add_reply(out.outputs[0].text)
         return out.outputs[0].text
 
@@ -87,7 +93,8 @@ def chat(argv: list[str]) -> int:
         return 0
     kind = ("chat template: the conversation is kept" if template else
             "no chat template: each line is continued on its own")
-    print(f"minipaged chat: {a.model_arg or a.model} ({kind}). Ctrl-D or /exit ends it.",
+    adapter = f", LoRA adapter {lora.lora_name}" if lora else ""
+    print(f"minipaged chat: {a.model_arg or a.model}{adapter} ({kind}). Ctrl-D or /exit ends it.",
           file=sys.stderr)
     while True:
         try:

@@ -36,6 +36,7 @@ from typing import Optional
 from minipaged.cli.args import (FlexibleArgumentParser, add_common_args, add_engine_args,
                                 engine_config_from_args)
 from minipaged.cli.errors import CLIError, run_command
+from minipaged.cli.lora_args import add_lora_module_args, lora_requests_from_args
 from minipaged.cli.serve_checks import bind_socket, check_serve_extras, check_ssl
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024  # (api_server.py's default too)
@@ -56,45 +57,6 @@ def parse_origins(text: str) -> list[str]:
             raise argparse.ArgumentTypeError("a JSON list of strings, e.g. '[\"*\"]'")
         return origins
     return [o.strip() for o in text.split(",") if o.strip()]
-
-
-def parse_lora_module(text: str) -> tuple[str, str]:
-    """`--lora-modules`: name=path, or vLLM's JSON form '{"name": ..., "path": ...}'."""
-    if text.strip().startswith("{"):
-        try:
-            spec = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise argparse.ArgumentTypeError(f"not a JSON object ({e})") from None
-        if not isinstance(spec, dict) or not all(isinstance(spec.get(k), str)
-                                                 for k in ("name", "path")):
-            raise argparse.ArgumentTypeError('a JSON object with string "name" and "path", '
-                                             'e.g. \'{"name": "sql", "path": "/adapters/sql"}\'')
-        return spec["name"], spec["path"]
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected name=path (or a JSON object)")
-    return name, path
-
-
-def lora_requests_from_args(a, config, served_names: list[str]):
-    """The `--lora-modules` adapters as LoRARequests (ids 1, 2, ...), their folders checked."""
-    from minipaged.lora.adapter import read_adapter_config
-    from minipaged.lora.request import LoRARequest
-    modules = a.lora_modules or []
-    if modules and not config.enable_lora:
-        raise CLIError("--lora-modules needs --enable-lora (the engine builds its adapter slots "
-                       "only then)")
-    requests = []
-    for i, (name, path) in enumerate(modules):
-        if name in served_names or name in [r.lora_name for r in requests]:
-            raise CLIError(f"--lora-modules: the name {name!r} is used twice (served model "
-                           f"names: {', '.join(served_names)}); give each adapter its own name")
-        try:
-            read_adapter_config(path, name)
-        except ValueError as e:
-            raise CLIError(f"--lora-modules: {e}") from None
-        requests.append(LoRARequest(name, i + 1, path))
-    return requests
 
 
 def make_parser() -> FlexibleArgumentParser:
@@ -130,10 +92,7 @@ def make_parser() -> FlexibleArgumentParser:
                         '--tool-call-parser)')
     s.add_argument("--tool-call-parser", default=None, choices=["hermes"],
                    help="how tool calls look in the text: hermes = <tool_call>{...}</tool_call>")
-    s.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None,
-                   metavar="NAME=PATH",
-                   help="LoRA adapters (PEFT folders) a request picks by its `model`: name=path "
-                        "or JSON '{\"name\": ..., \"path\": ...}'; needs --enable-lora")
+    add_lora_module_args(s, "a request picks by its `model`")
     s.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="how much uvicorn logs")
@@ -267,7 +226,8 @@ def banner(a, app, port: Optional[int] = None) -> str:
     loras = app.state.chat.lora_requests
     if loras:
         lines.append(f"  LoRA adapters (request `model`): {', '.join(loras)}; {cfg.max_loras} on "
-                     f"the device at once, rank <= {cfg.max_lora_rank}")
+                     f"the device at once, rank <= {cfg.max_lora_rank}, {cfg.max_cpu_loras} "
+                     "kept in CPU memory")
     if a.root_path:
         lines.append(f"  behind a proxy at {a.root_path}: clients use <proxy>{a.root_path}/v1")
     if a.allowed_origins:

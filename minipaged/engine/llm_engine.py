@@ -84,9 +84,9 @@ class LLMEngine:
             from minipaged.lora.manager import LoRAModelManager
             self.lora_manager = LoRAModelManager(
                 self.model, self.model_config, max_loras=config.max_loras,
-                max_lora_rank=config.max_lora_rank,
+                max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras,
                 max_num_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
-                device=self.device, dtype=self.dtype)
+                device=self.device, dtype=self.dtype, live_lora_ids=self._live_lora_ids)
         self.tokenizer = load_tokenizer(self.source, config.tokenizer)
         self.eos_token_ids = self._eos_ids()
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
@@ -122,6 +122,8 @@ class LLMEngine:
             [] if config.max_trace_len is None else deque(maxlen=config.max_trace_len))
         self._prefix_stats = (0, 0)  # block manager's (queries, hits) at the last StepRecord
         self._wait_time = 0.0  # this step's wait for the GPU's tokens (StepRecord.wait_time)
+        self._failed_outputs: list[RequestOutput] = []  # failed before the forward (with_failed)
+        self._failed_ids: list[str] = []  # ... and their ids, for the step's StepRecord
         self.stream_outputs = False  # True: step() also reports unfinished requests, with text
         self._start = time.perf_counter()
         self._step_counter = 0
@@ -171,7 +173,7 @@ class LLMEngine:
         """Queue a request. Raises `RequestError` (and queues nothing) if it can never be served.
 
         `lora_request` runs it with that LoRA adapter (needs `enable_lora`; the adapter is read
-        and checked here, once per `lora_int_id`).
+        and checked here unless the LoRA CPU cache or a device slot already holds it).
 
         `BeamSearchParams` queue a beam search (what `LLM.beam_search` does); `SamplingParams`
         with `n > 1` queue n samples of one prompt.
@@ -189,8 +191,8 @@ class LLMEngine:
                 self.structured_output.compile(params.structured_outputs)
             except ValueError as e:
                 raise RequestError(f"{e} (request {request_id!r})") from None
-        if lora_request is not None:
-            self._check_lora(request_id, lora_request)
+        if lora_request is not None:  # read and checked here (lora/manager.py)
+            processor.check_lora(request_id, lora_request, self.lora_manager)
         text, token_ids = processor.prompt_token_ids(request_id, prompt, vocab, self.tokenize)
         max_len = self.config.max_model_len
         if len(token_ids) >= max_len:
@@ -201,8 +203,9 @@ class LLMEngine:
                 f"(the model allows up to {self.model_config.max_position_embeddings}).")
         beam = None
         if isinstance(params, BeamSearchParams):
-            self._check_group_fits(request_id, params.beam_width, "beam_width",
-                                   len(token_ids) + params.max_tokens, all_resident=True)
+            processor.check_group_fits(request_id, params.beam_width, "beam_width",
+                                       len(token_ids) + params.max_tokens, self.config,
+                                       self.block_manager, all_resident=True)
             beam = BeamSearchState(params, self.eos_token_ids, len(token_ids), max_len)
             size = params.beam_width
             params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens,
@@ -210,7 +213,8 @@ class LLMEngine:
         else:
             size = params.n
             if size > 1:
-                self._check_group_fits(request_id, size, "n", 0, all_resident=False)
+                processor.check_group_fits(request_id, size, "n", 0, self.config,
+                                           self.block_manager, all_resident=False)
         seq = Sequence(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
                        prompt=text, arrival_time=arrival_time or time.time(),
                        lora_request=lora_request)
@@ -223,34 +227,9 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def _check_lora(self, request_id: str, lora_request) -> None:
-        if not isinstance(lora_request, LoRARequest):
-            raise RequestError(f"request {request_id!r}: lora_request must be a LoRARequest, got "
-                               f"{type(lora_request).__name__}")
-        if self.lora_manager is None:
-            raise RequestError(f"request {request_id!r} asks for LoRA adapter "
-                               f"{lora_request.lora_name!r}, but the engine was built without "
-                               "adapters: pass enable_lora=True (--enable-lora)")
-        try:
-            self.lora_manager.add_adapter(lora_request)
-        except ValueError as e:
-            raise RequestError(f"request {request_id!r}: {e}") from None
-
-    def _check_group_fits(self, request_id: str, size: int, knob: str, max_len: int,
-                          all_resident: bool) -> None:
-        cfg = self.config
-        if size > cfg.max_num_seqs:
-            raise RequestError(f"request {request_id!r}: {knob}={size} sequences cannot run at "
-                               f"once with max_num_seqs={cfg.max_num_seqs}. Lower {knob} or raise "
-                               f"max_num_seqs.")
-        if all_resident:  # every beam must be in the cache at once, in the worst case unshared
-            need = size * self.block_manager.num_blocks_for(min(max_len, cfg.max_model_len))
-            if need > self.num_blocks:
-                raise RequestError(
-                    f"request {request_id!r}: {knob}={size} beams of up to "
-                    f"{min(max_len, cfg.max_model_len)} tokens may need {need} KV blocks at once "
-                    f"(if they share nothing), but the cache has {self.num_blocks}. Lower {knob} "
-                    f"or max_tokens, or give the cache more blocks.")
+    def _live_lora_ids(self) -> set[int]:
+        """The adapters of the unfinished requests (the LoRA CPU cache keeps them first)."""
+        return {s.lora_int_id for s in self.requests.values()} - {0}
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -273,27 +252,50 @@ class LLMEngine:
         sched = self._schedule()
         if sched.is_empty:
             self._check_progress(sched)
-            if sched.preempted:  # all it could do was make room (a group outgrew the cache)
+            if sched.preempted or self._failed_ids:  # all it did: make room, or fail requests
                 self._record(sched, [], t0)
-            return []
+            return self.with_failed([])
         logits = self.model_runner.execute(sched)  # (num_sampling_seqs, vocab)
         sampling = self._computed(sched)
         outputs, finished = self._sample_and_process(logits, sampling)
         self._record(sched, finished, t0)
-        return outputs
+        return self.with_failed(outputs)
 
     def _schedule(self) -> SchedulerOutput:
         """Plan the step, and move swapped blocks before the forward (freed GPU blocks may be
         rewritten by this very step)."""
         sched = self.scheduler.schedule()
+        if self.lora_manager is not None:  # adapters the LoRA CPU cache dropped: read again
+            self._fail_unreadable_adapters(sched)
         swap_out_blocks(self.kv_cache, self.cpu_cache, sched.blocks_to_swap_out)
         swap_in_blocks(self.cpu_cache, self.kv_cache, sched.blocks_to_swap_in)
         if self.groups and sched.preempted:
             groups.drop_beam_logits(sched.preempted)
         return sched
 
+    def _fail_unreadable_adapters(self, sched: SchedulerOutput) -> None:
+        """Read again the adapters of the step that the LoRA CPU cache dropped. If one's folder
+        cannot be read any more, its requests fail alone before the forward (freeing their
+        blocks withdraws what the step would have written from the prefix cache); their
+        outputs go out with the step's (`with_failed`)."""
+        failed = self.lora_manager.read_dropped({s.seq.lora_int_id for s in sched.scheduled})
+        if not failed:
+            return
+        for s in sched.scheduled:
+            if s.seq.lora_int_id in failed:
+                self._fail(s.seq, failed[s.seq.lora_int_id], self._failed_outputs,
+                           self._failed_ids)
+        sched.scheduled = [s for s in sched.scheduled if s.seq.lora_int_id not in failed]
+
+    def with_failed(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """A step's outputs, after those of requests that failed before its forward."""
+        if not self._failed_outputs:
+            return outputs
+        failed, self._failed_outputs = self._failed_outputs, []
+        return failed + outputs
+
     def _check_progress(self, sched: SchedulerOutput) -> None:
-        if not sched.preempted and self.scheduler.has_unfinished():
+        if not sched.preempted and not self._failed_outputs and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler could not make progress: no sequence fits in the "
                                "KV cache (this is a bug; the config check should prevent it)")
 
@@ -427,6 +429,7 @@ class LLMEngine:
     def _record(self, sched: SchedulerOutput, finished: list[str], t0: float) -> None:
         """Append this step's StepRecord to the trace (engine/trace.py builds it)."""
         bm = self.block_manager
+        finished, self._failed_ids = self._failed_ids + finished, []
         queries, hits = self._prefix_stats
         self._prefix_stats = (bm.prefix_queries, bm.prefix_hits)
         self.trace.append(step_record(self, sched, finished, t0, bm.prefix_queries - queries,

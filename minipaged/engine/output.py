@@ -4,7 +4,8 @@
 
     check_stop(seq, token)   EOS, a stop token, a stop string, max_tokens, max_model_len
     detokenize(seq)          bring `seq.output_text` up to date (streaming, stop strings)
-    make_output(seq)         a `RequestOutput` holding one `CompletionOutput` per sample
+    make_output(seq)         a `RequestOutput` holding one `CompletionOutput` per sample, and
+                             the request's `LoRARequest` (None: the base model), as vLLM's
 
 Text is decoded incrementally while a request runs (tokenizers' `DecodeStream`) and
 once, whole, when it finishes.
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Optional
 from tokenizers.decoders import DecodeStream
 
 from minipaged.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from minipaged.lora.request import LoRARequest
 from minipaged.sampling import Logprob
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,6 +49,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict = field(default_factory=dict)  # arrival / first token / finished times
     error: Optional[str] = None  # set when the request ended with finish_reason "error"
+    lora_request: Optional[LoRARequest] = None  # the adapter it ran with (None: the base model)
 
 
 def detokenize(tokenizer, prompt_ids: list[int], output_ids: list[int], skip_special: bool) -> str:
@@ -181,7 +184,7 @@ class OutputProcessor:
         return RequestOutput(
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
             outputs=outputs, finished=finished, num_cached_tokens=seq.num_cached_tokens,
-            error=seq.error,
+            error=seq.error, lora_request=seq.lora_request,
             metrics={"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time,
                      "finished_time": seq.finished_time, "num_preemptions": seq.num_preemptions,
                      # prefix cache: the share of the prompt it served, in tokens and blocks

@@ -5,8 +5,9 @@
 (`minipaged/validation.py`); `LLMEngine.add_request` checks them again (a field may have been
 changed since) and adds what needs the model and the config: a prompt is text or a list of
 integer token ids inside the vocabulary, stop token ids are inside the vocabulary, and `logprobs`
-is within `max_logprobs`. A request that fails a check raises `RequestError` and nothing is
-queued (lesson 07: a request's fault is that request's alone).
+is within `max_logprobs`; n samples or beams fit `max_num_seqs` (and beams the cache); a LoRA
+adapter is read and checked (lora/manager.py). A request that fails a check raises
+`RequestError` and nothing is queued (lesson 07: a request's fault is that request's alone).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numbers
 from typing import Callable, Optional
 
 from minipaged.engine.beam_search import BeamSearchParams
+from minipaged.lora.request import LoRARequest
 from minipaged.sampling import SamplingParams
 
 
@@ -61,3 +63,38 @@ def validate_params(request_id: str, params, vocab_size: int, max_logprobs: int)
         raise RequestError(f"logprobs must be <= max_logprobs ({max_logprobs}), got "
                            f"{params.logprobs} (request {request_id!r}); raise max_logprobs "
                            f"(-1: no limit) to ask for more")
+
+
+def check_group_fits(request_id: str, size: int, knob: str, max_len: int, config,
+                     block_manager, all_resident: bool) -> None:
+    """`size` sequences (n samples, or beams) fit max_num_seqs; beams (`all_resident`) must
+    also fit the KV cache together, unshared in the worst case, at `max_len` tokens each."""
+    if size > config.max_num_seqs:
+        raise RequestError(f"request {request_id!r}: {knob}={size} sequences cannot run at "
+                           f"once with max_num_seqs={config.max_num_seqs}. Lower {knob} or raise "
+                           f"max_num_seqs.")
+    if all_resident:  # every beam must be in the cache at once, in the worst case unshared
+        length = min(max_len, config.max_model_len)
+        need = size * block_manager.num_blocks_for(length)
+        if need > block_manager.num_blocks:
+            raise RequestError(
+                f"request {request_id!r}: {knob}={size} beams of up to {length} tokens may need "
+                f"{need} KV blocks at once (if they share nothing), but the cache has "
+                f"{block_manager.num_blocks}. Lower {knob} or max_tokens, or give the cache more "
+                f"blocks.")
+
+
+def check_lora(request_id: str, lora_request, lora_manager) -> None:
+    """A `LoRARequest` for an engine built with `enable_lora`; its adapter read and checked
+    (`LoRAModelManager.add_adapter`, unless its CPU cache or a slot holds it)."""
+    if not isinstance(lora_request, LoRARequest):
+        raise RequestError(f"request {request_id!r}: lora_request must be a LoRARequest, got "
+                           f"{type(lora_request).__name__}")
+    if lora_manager is None:
+        raise RequestError(f"request {request_id!r} asks for LoRA adapter "
+                           f"{lora_request.lora_name!r}, but the engine was built without "
+                           "adapters: pass enable_lora=True (--enable-lora)")
+    try:
+        lora_manager.add_adapter(lora_request)
+    except ValueError as e:
+        raise RequestError(f"request {request_id!r}: {e}") from None

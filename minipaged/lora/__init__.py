@@ -6,7 +6,8 @@
                       step's token -> slot mapping (PunicaWrapper)
     triton_punica.py  the same shrink/expand as Triton kernels, tokens taken in slot order
     layers.py         LoRALinear: a base linear layer plus `max_loras` weight slots
-    manager.py        wraps the model's layers once; adapters into slots on demand, LRU
+    manager.py        wraps the model's layers once; adapters into slots on demand, LRU,
+                      and at most max_cpu_loras of them kept in CPU memory
     runner.py         the model runner that maps the step's tokens to slots before the forward
     random_adapter.py random adapters in PEFT's format, without peft (benchmarks, GPU tests)
 

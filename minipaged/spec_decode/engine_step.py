@@ -109,9 +109,9 @@ class SpeculativeDecoding:
         sched = eng._schedule()
         if sched.is_empty:
             eng._check_progress(sched)
-            if sched.preempted:
+            if sched.preempted or eng._failed_ids:
                 eng._record(sched, [], t0)
-            return []
+            return eng.with_failed([])
         spec = [s for s in sched.scheduled if s.spec_token_ids]
         if spec and self.method == "draft_model":
             self.proposer.propose(spec)  # fills the reserved proposals in place
@@ -135,7 +135,8 @@ class SpeculativeDecoding:
         eng._record(sched, finished, t0)
         if spec:
             self._trace(spec, before, accepted)
-        return self._last_per_request(outputs) if eng.stream_outputs else outputs
+        return eng.with_failed(self._last_per_request(outputs) if eng.stream_outputs
+                               else outputs)
 
     def propose(self) -> None:
         """Proposals for every running decode that may speculate (n-gram: the guesses; draft

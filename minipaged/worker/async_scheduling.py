@@ -172,10 +172,12 @@ class AsyncScheduling:
             if self.pending is None:
                 eng._check_progress(sched)
                 if not sched.preempted:
-                    return []
+                    if eng._failed_ids:  # requests failed before the forward (llm_engine.py)
+                        eng._record(sched, [], t0)
+                    return eng.with_failed([])
             outputs, finished = self.read_pending()  # nothing to run, but tokens to read
             eng._record(sched, finished, t0)
-            return outputs
+            return eng.with_failed(outputs)
         # The forward is queued on the GPU; nothing below waits for it until tokens are read.
         logits = eng.model_runner.execute(sched, self.pending)
         sampling = eng._computed(sched)
@@ -191,19 +193,19 @@ class AsyncScheduling:
             fill = fills[0] if fills else self.fill.start(sampling, pin)
             self.pending_step(DeferredStep(sampling, logits, fill, self.sample_deferred))
             eng._record(sched, finished, t0)
-            return outputs
+            return eng.with_failed(outputs)
         pending = self.sample(logits, sampling) if defer else None
         if pending is not None:
             outputs, finished = self.read_pending()  # while this step runs
             self.pending_step(pending)
             eng._record(sched, finished, t0)
-            return outputs
+            return eng.with_failed(outputs)
         self.fill.wait()  # the matchers are the main thread's again
         outputs, finished = self.read_pending()  # this step needs them all
         self.finish_ended(sampling, outputs, finished)
         more_outputs, more_finished = eng._sample_and_process(logits, sampling)
         eng._record(sched, finished + more_finished, t0)
-        return outputs + more_outputs
+        return eng.with_failed(outputs + more_outputs)
 
     def pending_step(self, pending: PendingStep) -> None:
         """This step's tokens are in flight: counted, and read during the next step."""
