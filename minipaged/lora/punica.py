@@ -114,6 +114,10 @@ class PunicaWrapper:
         self.num_tokens = n
         self.any_lora = counts[0] < n
 
+    def forward(self, layer, x: torch.Tensor) -> torch.Tensor:
+        """A LoRALinear's output: its base layer's plus each token's LoRA delta."""
+        return self.add_lora(layer.base_layer(x), x, layer.lora_a, layer.lora_b)
+
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
                  lora_b: torch.Tensor) -> torch.Tensor:
         """y (num_tokens, out) += the LoRA deltas of x (num_tokens, in); returns y."""
@@ -129,15 +133,29 @@ class TritonPunicaWrapper(PunicaWrapper):
     them unconditionally (their grid depends only on the token count), so a captured decode
     step replays whatever adapters the next steps bring; only the second set of decode graphs
     that lora/runner.py captures for steps without adapter tokens leaves them out
-    (`capturing_base`)."""
+    (`capturing_base`). A layer whose slots' A are stacked under its base weight (layers.py,
+    `w_cat`) gets the base output and every slot's shrink from one GEMM, then the expand."""
 
     capturing_base = False
 
-    def add_lora(self, y, x, lora_a, lora_b):
+    def _launches(self, x: torch.Tensor) -> bool:
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            if self.capturing_base:
-                return y
-        elif not self.any_lora:
+            return not self.capturing_base
+        return self.any_lora
+
+    def forward(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if not self._launches(x) or x.shape[0] == 0:
+            return layer.base_layer(x)
+        if layer.w_cat is None:
+            return self.add_lora(layer.base_layer(x), x, layer.lora_a, layer.lora_b)
+        from minipaged.lora import triton_punica
+        y, t = triton_punica.stacked_shrink_and_base(x, layer.w_cat, layer.b_cat,
+                                                     layer.lora_b.shape[1])
+        return triton_punica.expand(y, t, layer.lora_b, self.scaling, self.sorted_token_ids,
+                                    self.tile_slot, self.tile_start, self.tile_len)
+
+    def add_lora(self, y, x, lora_a, lora_b):
+        if not self._launches(x):
             return y
         from minipaged.lora import triton_punica
         return triton_punica.add_lora(y, x, lora_a, lora_b, self.scaling,

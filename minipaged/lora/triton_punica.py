@@ -72,8 +72,8 @@ def _lora_shrink_kernel(x_ptr, a_ptr, t_ptr, sorted_ptr, tile_slot_ptr, tile_sta
 
 @triton.jit
 def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, scale_ptr, sorted_ptr, tile_slot_ptr,
-                        tile_start_ptr, tile_len_ptr, OUT, N, stride_ts, stride_tm, stride_bl,
-                        stride_bo, stride_ym,
+                        tile_start_ptr, tile_len_ptr, OUT, N, stride_ts, stride_tm, stride_tl,
+                        stride_bl, stride_bo, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         NUM_N_BLOCKS: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
@@ -90,6 +90,7 @@ def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, scale_ptr, sorted_ptr, tile_slot_pt
     offs_o = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_o = offs_o < OUT
     b_base = b_ptr + slot.to(tl.int64) * stride_bl
+    t_base = t_ptr + slot.to(tl.int64) * stride_tl  # stacked: the slot's own columns
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, N, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -97,8 +98,8 @@ def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, scale_ptr, sorted_ptr, tile_slot_pt
         t_mask = mask_m[:, None] & mask_k[None, :]
         t = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
         for s in tl.static_range(SPLIT_K):  # the shrink's partial sums
-            t += tl.load(t_ptr + s * stride_ts + rows[:, None] * stride_tm + offs_k[None, :],
-                         mask=t_mask, other=0.0)  # (BLOCK_M, BLOCK_K)
+            t += tl.load(t_base + s * stride_ts + rows[:, None] * stride_tm + offs_k[None, :],
+                         mask=t_mask, other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_K)
         b = tl.load(b_base + offs_o[None, :].to(tl.int64) * stride_bo + offs_k[:, None],
                     mask=mask_k[:, None] & mask_o[None, :], other=0.0)  # (BLOCK_K, BLOCK_N)
         if IEEE:
@@ -116,6 +117,59 @@ def _pow2(n: int, lo: int = 16, hi: int = 64) -> int:
     return max(lo, min(hi, triton.next_power_of_2(n)))
 
 
+def _split(k: int) -> tuple[int, int, int]:
+    """(BLOCK_K, SPLIT_K, K_PER_SPLIT) of the shrink's reduction over the input width k."""
+    bk = _pow2(k)
+    split_k = 1 if k < 512 else min(8, k // 256)
+    return bk, split_k, triton.cdiv(triton.cdiv(k, split_k), bk) * bk
+
+
+def _num_tiles(num_tokens: int, max_loras: int, tile_slot: torch.Tensor) -> int:
+    """Tiles that num_tokens tokens can make (PunicaWrapper.max_tiles for this step's length)."""
+    return min(triton.cdiv(num_tokens, TILE_TOKENS) + min(max_loras, num_tokens),
+               tile_slot.shape[0])
+
+
+def shrink(x: torch.Tensor, lora_a: torch.Tensor, sorted_token_ids, tile_slot, tile_start,
+           tile_len) -> torch.Tensor:
+    """Each tile's x @ its slot's A.T: (SPLIT_K, num_tokens, n) fp32 partial sums, one per
+    split of the input width."""
+    num_tokens, k = x.shape
+    max_loras, n, _ = lora_a.shape
+    bk, split_k, k_per_split = _split(k)
+    t = torch.empty(split_k, num_tokens, n, dtype=torch.float32, device=x.device)
+    bn = _pow2(n)
+    tiles = _num_tiles(num_tokens, max_loras, tile_slot)
+    _lora_shrink_kernel[(tiles * triton.cdiv(n, bn), split_k)](
+        x, lora_a, t, sorted_token_ids, tile_slot, tile_start, tile_len, n, k, k_per_split,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), t.stride(0), t.stride(1),
+        BLOCK_M=TILE_TOKENS, BLOCK_N=bn, BLOCK_K=bk, NUM_N_BLOCKS=triton.cdiv(n, bn),
+        IEEE=x.dtype == torch.float32)
+    return t
+
+
+def expand(y: torch.Tensor, t: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor,
+           sorted_token_ids, tile_slot, tile_start, tile_len) -> torch.Tensor:
+    """y += t @ each tile's slot's B.T * its scaling, in place; returns y. t is the shrink's
+    (SPLIT_K, num_tokens, n) partial sums, or, stacked, (num_tokens, max_loras * n): every
+    slot's shrink of every token, as `stacked_shrink_and_base` leaves it."""
+    max_loras, out, n = lora_b.shape
+    if t.dim() == 3:  # partial sums
+        split_k, num_tokens = t.shape[:2]
+        strides = (t.stride(0), t.stride(1), 0)
+    else:  # stacked: slot s of token i at t[i, s * n:(s + 1) * n]
+        split_k, num_tokens = 1, t.shape[0]
+        strides = (0, t.stride(0), n)
+    tiles = _num_tiles(num_tokens, max_loras, tile_slot)
+    bo, bk = _pow2(out, hi=256), _pow2(n)  # wide output tiles: fewer programs per token tile
+    _lora_expand_kernel[(tiles * triton.cdiv(out, bo),)](
+        t, lora_b, y, scaling, sorted_token_ids, tile_slot, tile_start, tile_len, out, n,
+        *strides, lora_b.stride(0), lora_b.stride(1), y.stride(0),
+        BLOCK_M=TILE_TOKENS, BLOCK_N=bo, BLOCK_K=bk, NUM_N_BLOCKS=triton.cdiv(out, bo),
+        SPLIT_K=split_k, IEEE=y.dtype == torch.float32)
+    return y
+
+
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
              scaling: torch.Tensor, sorted_token_ids: torch.Tensor, tile_slot: torch.Tensor,
              tile_start: torch.Tensor, tile_len: torch.Tensor) -> torch.Tensor:
@@ -124,29 +178,17 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     x: (num_tokens, in); y: (num_tokens, out); lora_a: (max_loras, n, in); lora_b: (max_loras,
     out, n), last dimensions contiguous; scaling: (max_loras,) fp32; the rest from
     PunicaWrapper.update."""
-    num_tokens, k = x.shape
-    max_loras, n, _ = lora_a.shape
-    out = lora_b.shape[1]
-    if num_tokens == 0:
+    if x.shape[0] == 0:
         return y
     x = x if x.stride(-1) == 1 else x.contiguous()
-    ieee = x.dtype == torch.float32
-    # tiles that num_tokens tokens can make (PunicaWrapper.max_tiles for this step's length)
-    tiles = min(triton.cdiv(num_tokens, TILE_TOKENS) + min(max_loras, num_tokens),
-                tile_slot.shape[0])
-    bk = _pow2(k)
-    split_k = 1 if k < 512 else min(8, k // 256)
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), bk) * bk
-    t = torch.empty(split_k, num_tokens, n, dtype=torch.float32, device=x.device)  # partials
-    bn = _pow2(n)
-    _lora_shrink_kernel[(tiles * triton.cdiv(n, bn), split_k)](
-        x, lora_a, t, sorted_token_ids, tile_slot, tile_start, tile_len, n, k, k_per_split,
-        x.stride(0), lora_a.stride(0), lora_a.stride(1), t.stride(0), t.stride(1),
-        BLOCK_M=TILE_TOKENS, BLOCK_N=bn, BLOCK_K=bk, NUM_N_BLOCKS=triton.cdiv(n, bn), IEEE=ieee)
-    bo, bk = _pow2(out, hi=256), _pow2(n)  # wide output tiles: fewer programs per token tile
-    _lora_expand_kernel[(tiles * triton.cdiv(out, bo),)](
-        t, lora_b, y, scaling, sorted_token_ids, tile_slot, tile_start, tile_len, out, n,
-        t.stride(0), t.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-        BLOCK_M=TILE_TOKENS, BLOCK_N=bo, BLOCK_K=bk, NUM_N_BLOCKS=triton.cdiv(out, bo),
-        SPLIT_K=split_k, IEEE=ieee)
-    return y
+    tiles = (sorted_token_ids, tile_slot, tile_start, tile_len)
+    return expand(y, shrink(x, lora_a, *tiles), lora_b, scaling, *tiles)
+
+
+def stacked_shrink_and_base(x: torch.Tensor, w_cat: torch.Tensor, b_cat: torch.Tensor | None,
+                            out: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One GEMM for the base layer and every slot's shrink: `w_cat` is the base weight (out, in)
+    with each slot's A stacked under it (layers.py). Returns y (num_tokens, out) and t
+    (num_tokens, max_loras * n), views of one (num_tokens, out + max_loras * n) output."""
+    full = torch.nn.functional.linear(x, w_cat, b_cat)
+    return full[:, :out], full[:, out:]
