@@ -42,8 +42,8 @@ from minipaged.worker.kv_cache import raw, to_cache_dtype
 
 # KV heads packed block-diagonally up to this many values per key row (num_kv_heads * head_dim).
 BLOCK_DIAGONAL_MAX_WIDTH = 64
-# Gathered K + V of one chunk of sequences: at most this many bytes (half a 2 MiB L2).
-GATHER_CHUNK_BYTES = 1 << 20
+# Gathered K + V of one chunk of sequences: at most this many bytes (a quarter of a 2 MiB L2).
+GATHER_CHUNK_BYTES = 1 << 19
 
 
 @dataclass
@@ -60,7 +60,6 @@ class DecodeChunk:
     v: torch.Tensor
     queries: torch.Tensor  # the chunk's packed query rows
     mask: torch.Tensor  # 0 for a key in the sequence's context, -inf past its end
-    rows: Optional[torch.Tensor]  # (m,) where the outputs go in the step's order; None: start:end
 
 
 @dataclass
@@ -128,7 +127,7 @@ class CPUBackend(TorchRefBackend):
             plan.q_diagonal.copy_(q.view(n, kv_heads, group, head_dim).permute(0, 2, 3, 1))
         k_blocks = raw(k_cache).view(num_blocks, -1)  # one row per block
         v_blocks = raw(v_cache).view(num_blocks, -1)
-        out = q.new_empty(n, kv_heads, group, head_dim)  # in the step's order
+        outs = []
         for c in plan.chunks:
             torch.index_select(k_blocks, 0, c.blocks, out=c.k_rows)
             torch.index_select(v_blocks, 0, c.blocks, out=c.v_rows)
@@ -141,11 +140,11 @@ class CPUBackend(TorchRefBackend):
             if diagonal:  # (m, 1, heads, width) -> each head's output from its KV head's columns
                 o = (o.view(-1, kv_heads, group, kv_heads, head_dim).diagonal(dim1=1, dim2=3)
                      .permute(0, 3, 1, 2))  # (m, kv_heads, group, dim)
-            if c.rows is None:
-                out[c.start:c.end] = o
-            else:
-                out.index_copy_(0, c.rows, o)
-        return out.view(n, heads, head_dim)
+            outs.append(o)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)  # (n, kv_heads, group, dim)
+        if plan.order is not None:  # back from the length order to the step's
+            out = out.new_empty(out.shape).index_copy_(0, plan.order, out)
+        return out.reshape(n, heads, head_dim)
 
 
 def plan_chunks(plan: DecodePlan, q: torch.Tensor, k_cache: torch.Tensor) -> None:
@@ -183,7 +182,7 @@ def plan_chunks(plan: DecodePlan, q: torch.Tensor, k_cache: torch.Tensor) -> Non
             queries = None
         plan.chunks.append(DecodeChunk(
             start, end, tables[start:end, :max_blocks].reshape(-1).long(), k_rows, v_rows, k, v,
-            queries, mask, None if plan.order is None else plan.order[start:end]))
+            queries, mask))
 
 
 def _rows(cache: torch.Tensor) -> torch.Tensor:
