@@ -100,8 +100,8 @@ class CPUBackend(TorchRefBackend):
     name = "cpu"
 
     def prepare(self, metadata: AttentionMetadata) -> None:
-        if metadata.max_query_len != 1 or not bool((metadata.slot_mapping >= 0).all()):
-            return super().prepare(metadata)  # prompt chunks or padding: torch_ref's plan
+        if metadata.max_query_len != 1 or metadata.num_tokens != metadata.num_seqs:
+            return super().prepare(metadata)  # prompt chunks or padding tokens: torch_ref's
         metadata.plan = DecodePlan(metadata)
 
     def store_kv(self, k, v, k_cache, v_cache, metadata):
@@ -155,13 +155,14 @@ def plan_chunks(plan: DecodePlan, q: torch.Tensor, k_cache: torch.Tensor) -> Non
     store = raw(k_cache)
     order, spans = decode_chunks(md.context_lens_host, bs, bs * width * store.element_size(),
                                  GATHER_CHUNK_BYTES)
-    tables, lens = md.block_tables, md.context_lens
+    tables, lens = md.block_tables.long(), md.context_lens
     if len(spans) > 1:  # several chunks: by length, so that each pads to its own longest
         plan.order = torch.tensor(order, device=tables.device)
         tables, lens = tables[plan.order], lens[plan.order]
     keys = torch.arange(spans[-1][2] * bs, device=tables.device)
     bias = torch.zeros(n, keys.shape[0], device=tables.device, dtype=q.dtype)
-    bias.masked_fill_(keys[None, :] >= lens[:, None], float("-inf"))  # (n, keys)
+    bias = bias.masked_fill_(keys[None, :] >= lens[:, None], float("-inf"))[:, None, None]
+    # bias: (n, 1, 1, keys), 0 for a key inside the sequence's context, -inf past its end
     rows = max((end - start) * max_blocks for start, end, max_blocks in spans)
     k_buf, v_buf = store.new_empty(rows, bs * width), store.new_empty(rows, bs * width)
     if block_diagonal(kv_heads, head_dim):
@@ -171,7 +172,7 @@ def plan_chunks(plan: DecodePlan, q: torch.Tensor, k_cache: torch.Tensor) -> Non
     for start, end, max_blocks in spans:
         m, nkeys = end - start, max_blocks * bs
         k_rows, v_rows = k_buf[:m * max_blocks], v_buf[:m * max_blocks]
-        mask = bias[start:end, None, None, :nkeys]  # (m, 1, 1, keys)
+        mask = bias[start:end, ..., :nkeys]  # (m, 1, 1, keys)
         if plan.q is not None:  # (m, 1, keys, width): all KV heads side by side
             k, v = k_rows.view(m, 1, nkeys, width), v_rows.view(m, 1, nkeys, width)
             mask = mask.expand(m, 1, heads, nkeys)
@@ -181,7 +182,7 @@ def plan_chunks(plan: DecodePlan, q: torch.Tensor, k_cache: torch.Tensor) -> Non
             v = v_rows.view(m, nkeys, kv_heads, head_dim).transpose(1, 2)
             queries = None
         plan.chunks.append(DecodeChunk(
-            start, end, tables[start:end, :max_blocks].reshape(-1).long(), k_rows, v_rows, k, v,
+            start, end, tables[start:end, :max_blocks].reshape(-1), k_rows, v_rows, k, v,
             queries, mask))
 
 
