@@ -9,7 +9,7 @@ takes the path below. It computes the same attention with fewer and cheaper ops:
 
 * Whole blocks are gathered, not slots: each sequence's block-table row *is* the gather index
   (no slot arithmetic per step), and the keys past a sequence's length are masked by the bias.
-  The per-step plan is a handful of ops (`CPUBackend.prepare`).
+  The plan (`plan_chunks`) is made once per step, by the first layer, for all of them.
 * Small KV heads are packed block-diagonally. With head_dim 8 (stories260K) the per-head SDPA
   problems are so small that their count, not their arithmetic, sets the time. When
   `num_kv_heads * head_dim <= BLOCK_DIAGONAL_MAX_WIDTH`, the query rows of all heads of one
@@ -22,7 +22,8 @@ takes the path below. It computes the same attention with fewer and cheaper ops:
 * The batch is attended in chunks of sequences whose gathered K/V fit in the core's L2 cache
   (`GATHER_CHUNK_BYTES`), gathered into two buffers reused by every chunk and every layer: the
   gather's writes are still in L2 when SDPA reads them, instead of a round trip through memory
-  (on 2 cores, 64 sequences x 200 keys: K and V of one layer are 3.2 MB).
+  (64 sequences x 200 keys: K and V of one layer are 3.2 MB). The sequences are sorted by
+  context length first, so that each chunk pads only to its own longest context.
 
 benchmarks/README.md has what each step saved; `EngineConfig.resolve` picks this backend on the
 CPU, once.
@@ -40,8 +41,9 @@ from minipaged.attention.torch_ref import TorchRefBackend
 from minipaged.utils import cdiv
 from minipaged.worker.kv_cache import raw, to_cache_dtype
 
-# KV heads packed block-diagonally up to this many values per key row (num_kv_heads * head_dim).
-BLOCK_DIAGONAL_MAX_WIDTH = 64
+# KV heads packed block-diagonally up to this many values per key row (num_kv_heads * head_dim):
+# measured at stories260K's 4 x 8; wider rows keep torch_ref's packing (one problem per KV head).
+BLOCK_DIAGONAL_MAX_WIDTH = 32
 # Gathered K + V of one chunk of sequences: at most this many bytes (a quarter of a 2 MiB L2).
 GATHER_CHUNK_BYTES = 1 << 19
 
@@ -75,7 +77,7 @@ class DecodePlan:
 
 
 def decode_chunks(context_lens: list[int], block_size: int, block_bytes: int,
-                  budget: int = GATHER_CHUNK_BYTES) -> tuple[list[int], list[tuple[int, int, int]]]:
+                  budget: int = GATHER_CHUNK_BYTES) -> tuple[list[int], list[tuple]]:
     """Sequences in order of context length, cut into (start, end, max_blocks) chunks whose
     gathered K and V (`2 * block_bytes` per block of each sequence) fit in `budget` bytes (at
     least one sequence per chunk). Each chunk is padded to its own longest context."""
