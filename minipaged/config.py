@@ -23,7 +23,7 @@ from minipaged.validation import (SEED_MAX, SEED_MIN, check_bool, check_choice, 
 GiB = 1024 ** 3
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half", "float64")  # models.config._DTYPES
-ATTENTION_BACKENDS = ("torch_ref", "triton")
+ATTENTION_BACKENDS = ("torch_ref", "cpu", "triton")
 PREEMPTION_MODES = ("recompute", "swap")
 QUANTIZATION_METHODS = ("fp8",)  # models/quantization/
 
@@ -73,7 +73,8 @@ class EngineConfig:
               "physical core for wider ones; on CUDA torch's threads are left alone "
               "(worker/cpu_threads.py)")
     attention_backend: Optional[str] = _knob(
-        None, "auto: triton on CUDA, torch_ref elsewhere", choices=ATTENTION_BACKENDS)
+        None, "auto: triton on CUDA, cpu elsewhere (attention/cpu_backend.py: torch_ref with a "
+              "paged decode path); torch_ref: the readable reference", choices=ATTENTION_BACKENDS)
     fused_ops: Optional[bool] = _knob(
         None, "fused Triton kernels for norm + residual add, SiLU-and-multiply and q/k norm + "
               "RoPE + K/V store (models/fused_layers.py); auto: on for CUDA with the triton "

@@ -55,7 +55,7 @@ TEACHING_ERRORS = {
     "bench --num-requests -3": (["bench", "--num-requests", "-3"], ["--num-requests"]),
     "a flag argparse refuses": (["generate", "--max-tokens", "many"], ["--max-tokens", "'many'"]),
     "attention backend": (["generate", "--attention-backend", "flash"],
-                          ["choose from auto, torch_ref, triton"]),
+                          ["choose from auto, torch_ref, cpu, triton"]),
     "demo --num-requests 0": (["demo", "--num-requests", "0"], ["--num-requests"]),
     "unknown command": (["sevre"], ["unknown command 'sevre'", "serve"]),
     "--lora without its module": (["generate", "--enable-lora", "--lora", "sql"],

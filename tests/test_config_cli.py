@@ -47,7 +47,7 @@ def test_underscore_spellings_and_auto(capsys):
     assert a.attention_backend is None and a.num_blocks is None  # auto: EngineConfig decides
     text = _help("serve", capsys)
     backend = " ".join(text[text.index("\n  --attention-backend"):].split("\n  --", 2)[1].split())
-    assert "{auto,torch_ref,triton}" in backend and "None" not in backend
+    assert "{auto,torch_ref,cpu,triton}" in backend and "None" not in backend
     assert "(default: auto)" in backend
 
 
@@ -74,7 +74,7 @@ def test_resolve_decides_every_auto_once_on_the_cpu():
     cfg = auto.resolve(mc)
     assert auto.max_model_len is None and auto.attention_backend is None  # the input is untouched
     assert cfg.device == "cpu" and cfg.dtype == "float32"
-    assert cfg.attention_backend == "torch_ref" and cfg.fused_ops is False
+    assert cfg.attention_backend == "cpu" and cfg.fused_ops is False
     assert cfg.async_scheduling is False and cfg.max_model_len == mc.max_position_embeddings
     assert cfg.max_num_batched_tokens == 2048
     assert not (cfg.use_cuda_graphs or cfg.kv_head_major or cfg.gpu_tuned_inputs or cfg.sampler_kernel)

@@ -42,12 +42,13 @@ def test_stories260k_matches_source_md():
     assert out.outputs[0].text.startswith(", there was a little girl named Lily.")
 
 
-@pytest.mark.parametrize("block_size", [8, 16])
-def test_stories260k_many_concurrent_prompts(stories_hf, block_size):
-    """40 mixed-length prompts at once, prefix caching on, default chunked prefill."""
+@pytest.mark.parametrize("block_size,backend", [(8, "cpu"), (16, "cpu"), (8, "torch_ref")])
+def test_stories260k_many_concurrent_prompts(stories_hf, block_size, backend):
+    """40 mixed-length prompts at once, prefix caching on, default chunked prefill; with the
+    CPU's default backend (attention/cpu_backend.py) and with the reference it speeds up."""
     prompts = random_prompts(40, 512, 2, 60, seed=block_size)
     lengths = [random.Random(i).randint(1, 40) for i in range(len(prompts))]
-    llm = LLM("stories260K", block_size=block_size)
+    llm = LLM("stories260K", block_size=block_size, attention_backend=backend)
     outs = llm.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(stories_hf, prompts, lengths)
     assert max(len(r.scheduled) for r in llm.trace) == len(prompts)  # all in one step

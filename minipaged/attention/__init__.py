@@ -2,6 +2,9 @@
 
 * `torch_ref` (torch_ref.py): gathers each sequence's K/V through its block table and runs SDPA
   with a causal offset. Readable, runs anywhere, and the oracle for every kernel test.
+* `cpu` (cpu_backend.py): `torch_ref` with a paged decode path for decode-only steps (whole
+  blocks gathered in L2-sized chunks, small KV heads packed into one SDPA problem). Default on
+  the CPU.
 * `triton` (triton_kernels.py): the Triton kernels of lesson 05. Default on CUDA.
 
 Every backend implements `AttentionBackend` (metadata.py): `prepare(metadata)` once per step
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 from minipaged.attention.metadata import AttentionBackend, AttentionMetadata
 
-BACKENDS = ("torch_ref", "triton")
+BACKENDS = ("torch_ref", "cpu", "triton")
 
 
 def triton_available() -> bool:
@@ -24,14 +27,20 @@ def triton_available() -> bool:
 
 
 def default_backend_name(device: str) -> str:
-    """`triton` on CUDA, `torch_ref` elsewhere (CPU runs Triton only under TRITON_INTERPRET=1)."""
-    return "triton" if str(device).startswith("cuda") and triton_available() else "torch_ref"
+    """`triton` on CUDA (`torch_ref` there without triton), `cpu` elsewhere (the CPU runs Triton
+    only under TRITON_INTERPRET=1)."""
+    if str(device).startswith("cuda"):
+        return "triton" if triton_available() else "torch_ref"
+    return "cpu"
 
 
 def get_attention_backend(name: str, device: str) -> AttentionBackend:
     if name == "torch_ref":
         from minipaged.attention.torch_ref import TorchRefBackend
         return TorchRefBackend()
+    if name == "cpu":
+        from minipaged.attention.cpu_backend import CPUBackend
+        return CPUBackend()
     if name == "triton":
         if not triton_available():
             raise ValueError("attention_backend='triton' needs the `triton` package, which ships "

