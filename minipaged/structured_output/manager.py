@@ -196,6 +196,10 @@ class StructuredOutputManager:
             return None
         return SequenceStatus.FINISHED_STOPPED if self.has_ended(self._state(seq)) else None
 
+    def caught_up_and_ended(self, seq: Sequence) -> bool:
+        """Advance `seq`'s matcher over its new tokens; has its grammar ended?"""
+        return self.has_ended(self._state(seq))
+
     def has_ended(self, st: _Matcher) -> bool:
         """Has the grammar ended, i.e. can nothing but a stop token follow?"""
         m = st.matcher

@@ -267,7 +267,7 @@ class AsyncScheduling:
                     or seq.is_finished):  # (beam search's params have none)
                 continue
             try:
-                if mgr.has_ended(mgr._state(seq)):
+                if mgr.caught_up_and_ended(seq):
                     self.finish_stopped(seq, outputs, finished)
             except Exception as exc:  # this request's grammar: it fails alone
                 self.engine._fail(seq, exc, outputs, finished)
