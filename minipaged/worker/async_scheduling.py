@@ -24,11 +24,11 @@ engine finds the rows that raise and fails their requests alone (engine/failures
 
 A step with grammar-constrained rows (structured_output/) stays asynchronous, its sampling
 deferred: a row's mask needs the row's previous token, so that step reads the previous step's
-tokens first, hands the constrained rows to a worker thread that advances their matchers and
-fills their masks (structured_output/background.py), and leaves its logits unsampled
-(`DeferredStep`). It is sampled when its tokens are first needed: while the next step's inputs
-are built (after that step has been scheduled, the worker running meanwhile), or when it is read.
-A row whose grammar had ended is finished there ("stop") and its token dropped.
+tokens first, advances the constrained rows' matchers by them, hands the mask fill to a worker
+thread (structured_output/background.py) and leaves its logits unsampled (`DeferredStep`). It
+is sampled when its tokens are first needed: while the next step's inputs are built (after that
+step has been scheduled, the worker filling meanwhile), or when it is read. A row whose grammar
+had ended is finished there ("stop") and its token dropped.
 """
 from __future__ import annotations
 
