@@ -98,3 +98,32 @@ def test_backend_reorders_only_unsorted_steps(monkeypatch):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-5)
         assert len(md.plan.chunks) > 1
         assert (md.plan.order is None) == sorted_in
+
+
+def test_modules_call_forward_directly_and_hooks_still_run():
+    """The CPU runner's model: every submodule's __call__ is its forward (direct_calls.py); a
+    hook registered afterwards gives the module its usual calls back, and sees each of them."""
+    from torch import nn
+
+    from minipaged.worker.direct_calls import call_forward_directly
+    llm = LLM("stories260K")
+    model = llm.engine.model
+    assert type(model) is type(model).__mro__[0] and "__call__" not in vars(type(model))
+    mlp = model.model.layers[2].mlp
+    assert type(mlp).__call__ is type(mlp).forward
+    assert isinstance(mlp, nn.Module) and type(mlp).__name__ == "LlamaMLP"
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    before = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], params, use_tqdm=False)
+    seen = []
+    handle = mlp.register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
+    after = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], params, use_tqdm=False)
+    assert len(seen) == 6  # one prefill step and five decode steps, each seen by the hook
+    assert [o.outputs[0].token_ids for o in before] == [o.outputs[0].token_ids for o in after]
+    handle.remove()
+    # a module hooked before the conversion keeps its usual calls
+    layer = nn.Linear(4, 4)
+    layer.register_forward_pre_hook(lambda m, i: seen.append("pre"))
+    parent = nn.Sequential(layer, nn.ReLU())
+    call_forward_directly(parent)
+    parent(torch.ones(1, 4))
+    assert seen[-1] == "pre" and type(parent[1]).__call__ is nn.ReLU.forward

@@ -8,6 +8,8 @@ has nothing to reorder: no gather of each layer's queries into length order and 
 each layer's output back (two ops per layer and step). The sampled rows are read back in the
 scheduler's order, so the engine sees the same logits rows as from `ModelRunner`. Steps with a
 prompt chunk in them keep the scheduler's order (the backend runs them through `torch_ref`).
+It also makes the model's modules call their `forward` directly while they have no hooks
+(`direct_calls.py`).
 
 `make_model_runner` (worker/__init__.py) picks it once, with the CPU attention backend.
 """
@@ -18,10 +20,15 @@ import torch
 from minipaged.attention import AttentionMetadata
 from minipaged.engine.scheduler import SchedulerOutput
 from minipaged.utils import to_device
+from minipaged.worker.direct_calls import call_forward_directly
 from minipaged.worker.model_runner import ModelRunner
 
 
 class CPUModelRunner(ModelRunner):
+    def __init__(self, model, kv_cache: torch.Tensor, backend, block_size: int):
+        super().__init__(model, kv_cache, backend, block_size)
+        call_forward_directly(model)  # no nn.Module.__call__ frames per layer (direct_calls.py)
+
     def step_order(self, sched: SchedulerOutput) -> list:
         """Decode-only steps: by context length (a stable sort); other steps: the scheduler's."""
         if any(s.num_new_tokens != 1 for s in sched.scheduled):
