@@ -127,3 +127,34 @@ def test_modules_call_forward_directly_and_hooks_still_run():
     call_forward_directly(parent)
     parent(torch.ones(1, 4))
     assert seen[-1] == "pre" and type(parent[1]).__call__ is nn.ReLU.forward
+
+
+def test_member_copies_stay_true():
+    """Each converted module finds its parameters, buffers and submodules in its __dict__; the
+    copies follow assignment, deletion and `.to()`, and a hook drops them with the subclass."""
+    from torch import nn
+
+    from minipaged.worker.direct_calls import call_forward_directly
+    inner = nn.Linear(3, 2)
+    inner.register_buffer("scale", torch.ones(2))
+    outer = nn.Sequential(nn.Sequential(inner))
+    call_forward_directly(outer)
+    assert inner.__dict__["weight"] is inner._parameters["weight"]
+    assert inner.__dict__["scale"] is inner._buffers["scale"]
+    x = torch.ones(1, 3)
+    torch.testing.assert_close(outer(x), x @ inner.weight.t() + inner.bias)
+    inner.bias = nn.Parameter(torch.full((2,), 5.0))  # a new Parameter
+    inner.scale = torch.full((2,), 3.0)  # a tensor into an existing buffer: only _buffers
+    assert inner.scale is inner._buffers["scale"] and float(inner.scale[0]) == 3.0
+    inner.weight = None  # an existing parameter set to None: only _parameters
+    assert inner.weight is None
+    inner.weight = nn.Parameter(torch.zeros(2, 3))
+    torch.testing.assert_close(outer(x), torch.full((1, 2), 5.0))
+    outer.double()  # _apply puts new buffers in _buffers
+    assert inner.scale.dtype == torch.float64 and inner.scale is inner._buffers["scale"]
+    assert inner.weight.dtype == torch.float64
+    del inner.scale
+    assert "scale" not in inner.__dict__ and not hasattr(inner, "scale")
+    inner.register_forward_hook(lambda m, i, o: None)  # back to nn.Linear, copies dropped
+    assert type(inner) is nn.Linear and "weight" not in inner.__dict__
+    assert outer(x.double()).dtype == torch.float64
