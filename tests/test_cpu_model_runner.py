@@ -47,7 +47,8 @@ def test_decode_inputs_equal_model_runner_in_length_order():
     lens = [s.seq.num_computed_tokens for s in order]
     assert lens == sorted(lens) and order != sched.scheduled  # the test needs a reorder
     ids, pos, md, rows = runner.prepare_inputs(sched)
-    ref_ids, ref_pos, ref_md, _ = ModelRunner.prepare_inputs(runner, replace(sched, scheduled=order))
+    ref_ids, ref_pos, ref_md, _ = ModelRunner.prepare_inputs(runner,
+                                                             replace(sched, scheduled=order))
     assert torch.equal(ids, ref_ids) and torch.equal(pos, ref_pos)
     for name in ("slot_mapping", "block_tables", "context_lens", "cu_seqlens_q"):
         a, b = getattr(md, name), getattr(ref_md, name)
