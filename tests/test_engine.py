@@ -265,6 +265,7 @@ def test_gpu_model_runner_builds_the_same_step_as_the_lesson_runner():
     """On the GPU the model runner orders each step's batch decodes first, longest context first
     (the attention kernel's load balance), and packs and pads its inputs; logits rows must still
     come back in the scheduler's order and every token must equal the readable runner's."""
+    from minipaged.worker.cpu_model_runner import CPUModelRunner
     from minipaged.worker.gpu_model_runner import GPUModelRunner
     from minipaged.worker.model_runner import ModelRunner
     prompts = ["Once upon a time", "The cat sat on the mat and looked at the", "Tom",
@@ -274,11 +275,13 @@ def test_gpu_model_runner_builds_the_same_step_as_the_lesson_runner():
     for gpu in (False, True):
         llm = LLM("stories260K", max_num_batched_tokens=16, device="cpu")  # chunked prefills mix in
         eng = llm.engine
-        assert type(eng.model_runner) is ModelRunner  # the CPU's choice
+        assert type(eng.model_runner) is CPUModelRunner  # the CPU's choice (CPU attention)
         if gpu:
             eng.model_runner = GPUModelRunner(eng.model, eng.kv_cache, eng.backend, 16,
                                               max_num_seqs=256, max_model_len=512,
                                               cuda_graphs=False)
+        else:  # the readable runner, the one lesson 03 prints
+            eng.model_runner = ModelRunner(eng.model, eng.kv_cache, eng.backend, 16)
         res.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
     assert res[0] == res[1]
 

@@ -158,7 +158,7 @@ def plan_chunks(plan: DecodePlan, q: torch.Tensor, k_cache: torch.Tensor) -> Non
     order, spans = decode_chunks(md.context_lens_host, bs, bs * width * store.element_size(),
                                  GATHER_CHUNK_BYTES)
     tables, lens = md.block_tables.long(), md.context_lens
-    if len(spans) > 1:  # several chunks: by length, so that each pads to its own longest
+    if len(spans) > 1 and order != list(range(n)):  # by length: each chunk pads to its longest
         plan.order = torch.tensor(order, device=tables.device)
         tables, lens = tables[plan.order], lens[plan.order]
     keys = torch.arange(spans[-1][2] * bs, device=tables.device)

@@ -1,0 +1,80 @@
+"""A/B of the readable `ModelRunner` and `CPUModelRunner` on one engine, interleaved.
+
+    python benchmarks/ab_cpu_runner.py --repeats 8 --json benchmarks/results/cpu_ab_cpu_runner.json
+
+Builds one engine (stories260K, the `minipaged bench --workload cpu` workload, one thread) and
+runs the workload alternately with either runner (the order flips every round), after one
+warm-up round. `--parts` picks what the new side has: `order` (decode-only steps in context-length
+order, built by `CPUModelRunner._decode_inputs`), `calls` (the model's modules calling forward
+directly, worker/direct_calls.py) or `all` (both: what the CPU engine runs). The old side is
+`ModelRunner` with the modules as nn.Module calls them. The same KV cache, model, backend and
+scheduler serve both sides; both must give the same greedy tokens. Prints and writes (`--json`)
+each run's seconds and the median over rounds of old / new time (above 1: the new side is
+faster). Runs after the first find the prompts in the prefix cache (both sides alike).
+"""
+import argparse
+import json
+import os
+import statistics
+
+import torch
+
+from minipaged import LLM, SamplingParams
+from minipaged.lessons import bench as lessons_bench
+from minipaged.worker import direct_calls
+from minipaged.worker.cpu_model_runner import CPUModelRunner
+from minipaged.worker.model_runner import ModelRunner
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--parts", default="all", choices=["all", "order", "calls"])
+ap.add_argument("--repeats", type=int, default=6)
+ap.add_argument("--json", default=None)
+a = ap.parse_args()
+
+llm = LLM("stories260K", cpu_threads=1)  # the CPU backend: CPUModelRunner, modules converted
+runner, model = llm.engine.model_runner, llm.engine.model
+modules = [m for m in model.modules() if m is not model]
+plain = {m: type(m).__mro__[1] if "__call__" in vars(type(m)) else type(m) for m in modules}
+
+
+def use(side: str) -> None:
+    new = side == "new"
+    runner.__class__ = CPUModelRunner if new and a.parts != "calls" else ModelRunner
+    if new and a.parts != "order":
+        direct_calls.call_forward_directly(model)
+    else:  # every module back to its own class, its member copies dropped
+        for m in modules:
+            if type(m) is not plain[m]:
+                direct_calls._drop_members(m)
+                m.__class__ = plain[m]
+
+
+mc = llm.engine.model_config
+wl = lessons_bench.make_workload("cpu", mc.vocab_size, None, 0, bos=mc.bos_token_id,
+                                 max_model_len=llm.engine.config.max_model_len)
+greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+times: dict[str, list[float]] = {"old": [], "new": []}
+tokens = {}
+load_start = os.getloadavg()[0]
+for r in range(a.repeats + 1):
+    for side in (("old", "new") if r % 2 == 0 else ("new", "old")):
+        use(side)
+        res = lessons_bench.run_minipaged(llm, wl, 0.0, use_tqdm=False)
+        if r:  # round 0 warms both sides up
+            times[side].append(res.elapsed_sec)
+        if side not in tokens:
+            outs = llm.generate(wl.prompts[:16], [greedy] * 16, use_tqdm=False)
+            tokens[side] = [o.outputs[0].token_ids for o in outs]
+assert tokens["old"] == tokens["new"], "the two runners give different greedy tokens"
+speedup = statistics.median(o / n for o, n in zip(times["old"], times["new"]))
+report = {"old": "ModelRunner", "new": f"CPUModelRunner ({a.parts})",
+          "workload": "cpu (minipaged bench)", "model": "stories260K",
+          "threads": torch.get_num_threads(), "repeats": a.repeats, "seconds": times,
+          "median_old_over_new": round(speedup, 3),
+          "load_average_start": load_start, "load_average_end": os.getloadavg()[0],
+          "environment": lessons_bench.environment()}
+print(json.dumps({k: report[k] for k in ("new", "seconds", "median_old_over_new",
+                                         "load_average_start", "load_average_end")}, indent=1))
+if a.json:
+    with open(a.json, "w") as f:
+        json.dump(report, f, indent=1)
