@@ -13,14 +13,10 @@ each run's seconds and the median over rounds of old / new time (above 1: the ne
 faster). Runs after the first find the prompts in the prefix cache (both sides alike).
 """
 import argparse
-import json
-import os
-import statistics
 
-import torch
+import interleaved_ab
 
-from minipaged import LLM, SamplingParams
-from minipaged.lessons import bench as lessons_bench
+from minipaged import LLM
 from minipaged.worker import direct_calls
 from minipaged.worker.cpu_model_runner import CPUModelRunner
 from minipaged.worker.model_runner import ModelRunner
@@ -49,32 +45,7 @@ def use(side: str) -> None:
                 m.__class__ = plain[m]
 
 
-mc = llm.engine.model_config
-wl = lessons_bench.make_workload("cpu", mc.vocab_size, None, 0, bos=mc.bos_token_id,
-                                 max_model_len=llm.engine.config.max_model_len)
-greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-times: dict[str, list[float]] = {"old": [], "new": []}
-tokens = {}
-load_start = os.getloadavg()[0]
-for r in range(a.repeats + 1):
-    for side in (("old", "new") if r % 2 == 0 else ("new", "old")):
-        use(side)
-        res = lessons_bench.run_minipaged(llm, wl, 0.0, use_tqdm=False)
-        if r:  # round 0 warms both sides up
-            times[side].append(res.elapsed_sec)
-        if side not in tokens:
-            outs = llm.generate(wl.prompts[:16], [greedy] * 16, use_tqdm=False)
-            tokens[side] = [o.outputs[0].token_ids for o in outs]
-assert tokens["old"] == tokens["new"], "the two runners give different greedy tokens"
-speedup = statistics.median(o / n for o, n in zip(times["old"], times["new"]))
-report = {"old": "ModelRunner", "new": f"CPUModelRunner ({a.parts})",
-          "workload": "cpu (minipaged bench)", "model": "stories260K",
-          "threads": torch.get_num_threads(), "repeats": a.repeats, "seconds": times,
-          "median_old_over_new": round(speedup, 3),
-          "load_average_start": load_start, "load_average_end": os.getloadavg()[0],
-          "environment": lessons_bench.environment()}
-print(json.dumps({k: report[k] for k in ("new", "seconds", "median_old_over_new",
-                                         "load_average_start", "load_average_end")}, indent=1))
-if a.json:
-    with open(a.json, "w") as f:
-        json.dump(report, f, indent=1)
+doc = {"old": "ModelRunner", "new": f"CPUModelRunner ({a.parts})",
+       **interleaved_ab.run(llm, use, a.repeats)}
+interleaved_ab.report(doc, a.json, shown=("new", "seconds", "median_old_over_new",
+                                          "load_average_start", "load_average_end"))
