@@ -1,5 +1,4 @@
 """The lessons' exercises and their helpers: lesson 02b (minipaged/lessons/one_request.py)."""
-import json
 from pathlib import Path
 
 import matplotlib
@@ -12,6 +11,7 @@ from matplotlib.text import Annotation  # noqa: E402
 from minipaged import LLM, SamplingParams  # noqa: E402
 from minipaged.lessons.one_request import (filled_slots, next_decode_slot_mapping,  # noqa: E402
                                            plot_flat_batch)
+from tests.helpers import exercise_cell  # noqa: E402
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "02b_one_request.ipynb"
 
@@ -80,10 +80,5 @@ def test_flat_batch_picture_draws_the_engines_step():
 
 
 def test_the_graded_exercise_runs_in_ci_and_checks_when_filled():
-    nb = json.loads(NOTEBOOK.read_text())
-    assert (nb["nbformat"], nb["nbformat_minor"]) == (4, 5)
-    assert all("id" in c for c in nb["cells"])
-    assert all(not c.get("outputs") for c in nb["cells"] if c["cell_type"] == "code")
-    (cell,) = [c for c in nb["cells"] if "ANSWER = None" in "".join(c["source"])]
-    src = "".join(cell["source"])
+    src = exercise_cell(NOTEBOOK)
     assert "if ANSWER is not None:" in src and "assert ANSWER == engine_slots" in src

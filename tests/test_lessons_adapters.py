@@ -1,7 +1,6 @@
 """Lesson 11's fp8 helper and its graded exercise: minipaged/lessons/quantization.py
 (text_logits), notebooks/11_adapters_and_quantization.ipynb. Its LoRA helpers (lessons/lora.py)
 are tested in tests/test_lora.py."""
-import json
 from pathlib import Path
 
 import matplotlib
@@ -13,6 +12,7 @@ import torch  # noqa: E402
 
 from minipaged import LLM, SamplingParams  # noqa: E402
 from minipaged.lessons.quantization import text_logits  # noqa: E402
+from tests.helpers import exercise_cell
 
 NOTEBOOK = (Path(__file__).resolve().parents[1] / "notebooks"
             / "11_adapters_and_quantization.ipynb")
@@ -32,17 +32,8 @@ def test_text_logits_last_row_is_the_engines_next_token_and_leaves_its_cache_alo
     torch.testing.assert_close(short, logits[:4], rtol=1e-5, atol=1e-5)
 
 
-def _exercise_cell():
-    nb = json.loads(NOTEBOOK.read_text())
-    assert (nb["nbformat"], nb["nbformat_minor"]) == (4, 5)
-    assert all("id" in c for c in nb["cells"])
-    assert all(not c.get("outputs") for c in nb["cells"] if c["cell_type"] == "code")
-    (cell,) = [c for c in nb["cells"] if "ANSWER = None" in "".join(c["source"])]
-    return "".join(cell["source"])
-
-
 def test_the_graded_exercise_runs_in_ci_and_grades_when_filled():
-    src = _exercise_cell()
+    src = exercise_cell(NOTEBOOK)
     from minipaged.models.quantization.fp8 import dequantize, quantize_rowwise
     env = {"torch": torch, "quantize_rowwise": quantize_rowwise, "dequantize": dequantize}
     exec(src, dict(env))  # untouched: runs, grades nothing

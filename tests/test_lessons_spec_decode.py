@@ -3,7 +3,6 @@ engine they describe: the greedy replay predicts the engine's proposed / accepte
 recorded step is the engine's, the distribution check tells right from wrong."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import matplotlib
@@ -20,6 +19,7 @@ from minipaged.lessons import spec_decode as sd  # noqa: E402
 from minipaged.lessons import spec_decode_measure as sdm  # noqa: E402
 from minipaged.sampling.rejection_sampler import rejection_sample  # noqa: E402
 from minipaged.spec_decode import NgramProposer  # noqa: E402
+from tests.helpers import exercise_cell
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "10_speculative_decoding.ipynb"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
@@ -119,12 +119,7 @@ def test_compare_reports_both_sides():
 
 
 def test_the_graded_exercise_runs_in_ci_and_checks_when_filled():
-    nb = json.loads(NOTEBOOK.read_text())
-    assert (nb["nbformat"], nb["nbformat_minor"]) == (4, 5)
-    assert all("id" in c for c in nb["cells"])
-    assert all(not c.get("outputs") for c in nb["cells"] if c["cell_type"] == "code")
-    (cell,) = [c for c in nb["cells"] if "ANSWER = None" in "".join(c["source"])]
-    src = "".join(cell["source"])
+    src = exercise_cell(NOTEBOOK)
     assert "if ANSWER is not None:" in src
     env = {"torch": torch, "rejection_sample": rejection_sample}
     exec(src, dict(env))  # unanswered: runs, checks nothing
