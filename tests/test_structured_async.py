@@ -8,6 +8,7 @@ import pytest
 from minipaged import LLM, SamplingParams
 from minipaged.structured_output import StructuredOutputsParams as SO
 from minipaged.structured_output.background import BackgroundFill
+from tests.test_failures import run
 from tests.test_structured_output import CHOICES, PERSON, PROMPTS, REGEX, check_valid, constraints
 
 
@@ -123,14 +124,7 @@ REQUESTS = {"plain": ("The cat", SamplingParams(temperature=0, max_tokens=30)),
 
 
 def _run_requests(eng):
-    for rid, (prompt, params) in REQUESTS.items():
-        eng.add_request(rid, prompt, params)
-    outs = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                assert o.request_id not in outs
-                outs[o.request_id] = o
+    outs = run(eng, REQUESTS)  # tests/test_failures.py: each request finishes once
     assert eng.block_manager.num_free_blocks == eng.num_blocks
     return outs
 

@@ -47,7 +47,7 @@ class CPUModelRunner(ModelRunner):
 
     def _decode_inputs(self, order: list):
         """`ModelRunner.prepare_inputs` for one new token per sequence, in list comprehensions
-        (the same tensors; `tests/test_cpu_backend.py` compares them)."""
+        (the same tensors; `tests/test_cpu_model_runner.py` compares them)."""
         bs, dev, n = self.block_size, self.device, len(order)
         positions = [s.seq.num_computed_tokens for s in order]  # each sequence's new token
         input_ids = [s.seq.token_ids[p] for s, p in zip(order, positions)]
