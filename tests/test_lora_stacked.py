@@ -51,6 +51,7 @@ def test_the_base_weight_is_a_view_of_the_stacked_tensor():
     w = layer.base_layer.weight
     assert w.data_ptr() == layer.w_cat.data_ptr() and layer.w_cat.shape == (40 + 3 * 12, 32)
     assert layer.lora_a.data_ptr() == layer.w_cat[40:].data_ptr()  # the slots live under it
+    assert layer.base_layer.bias.data_ptr() == layer.b_cat.data_ptr()
     layer.set_slot(1, [(torch.ones(4, 32), torch.ones(24, 4)), None, None])
     assert torch.equal(layer.w_cat[40 + 12:40 + 16], torch.ones(4, 32))
     x = torch.randn(5, 32, generator=g)

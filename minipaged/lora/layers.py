@@ -52,6 +52,7 @@ class LoRALinear(nn.Module):
             if base_layer.bias is not None:
                 b_cat = torch.zeros(out + max_loras * n, dtype=dtype, device=device)
                 b_cat[:out].copy_(base_layer.bias)
+                base_layer.bias = nn.Parameter(b_cat[:out], requires_grad=False)  # one copy
         else:
             lora_a = torch.zeros(max_loras, n, in_features, dtype=dtype, device=device)
         self.register_buffer("w_cat", w_cat, persistent=False)  # None: not stacked
