@@ -15,13 +15,14 @@ Writes benchmarks/results/structured_outputs_cpu_stories260k.json.
 On a GPU, with Qwen3-0.6B's shapes and its 151,936-token vocabulary (dummy weights):
 
     python benchmarks/structured_outputs.py --model dummy:qwen3-0.6b --device cuda \
-        --dtype bfloat16 --synthetic-vocab --runs 5
+        --dtype bfloat16 --synthetic-vocab --runs 7
 
 Dummy presets have no tokenizer, so `--synthetic-vocab` writes one of the model's vocabulary size
 into a temporary folder first (benchmarks/synthetic_tokenizer.py: byte-level BPE, offline,
 deterministic) and passes it as `LLM(..., tokenizer=...)`. There the bitmask is copied to the GPU
-and applied by xgrammar's Triton kernel. `--runs N` repeats the three ways N times, interleaved,
-and reports each way's median. The output file is named after the device and model
+and applied inside the sampling kernels (async scheduling, the CUDA default, fills the masks on
+a worker thread and never calls `apply_masks`, so the mask columns stay empty there). `--runs N`
+repeats the three ways N times, interleaved, and reports each way's median. The output file is named after the device and model
 (structured_outputs_h200_qwen3-0.6b.json on an H200) unless `--out` says otherwise.
 `--num-requests` and `--max-tokens` shrink the workload for a quick check.
 """

@@ -508,3 +508,70 @@ def test_kernel_reads_bf16_logits_and_breaks_ties_like_argmax():
     # NaN logits (a broken model) still give a token id inside the vocabulary
     nan = torch.full((2, 40), float("nan"))
     assert all(0 <= t < 40 for t in gumbel_sample(nan, torch.tensor([0.0, 1.0]), seed=1).tolist())
+
+
+def _bits(mask_rows: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(rows, words) int32 bitmask -> (rows, vocab) bool: token t allowed."""
+    shifts = torch.arange(32)
+    return ((mask_rows.to(torch.int64)[:, :, None] >> shifts) & 1).reshape(
+        mask_rows.shape[0], -1)[:, :vocab].bool()
+
+
+def _token_mask(allowed: torch.Tensor, masked: list[int], stops: list[int]):
+    """A TokenMask from (rows, vocab) bool `allowed` (xgrammar's bit layout)."""
+    from minipaged.sampling.params import TokenMask
+    rows, vocab = allowed.shape
+    words = (vocab + 31) // 32
+    padded = torch.zeros(rows, words * 32, dtype=torch.int64)
+    padded[:, :vocab] = allowed.to(torch.int64)
+    packed = (padded.reshape(rows, words, 32) << torch.arange(32)).sum(-1)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    keep = torch.full((words * 32,), 1, dtype=torch.int64)
+    keep[stops] = 0
+    keep = (keep.reshape(words, 32) << torch.arange(32)).sum(-1)
+    keep = torch.where(keep >= 2**31, keep - 2**32, keep).to(torch.int32)
+    return TokenMask(packed, torch.tensor(masked, dtype=torch.int32), keep)
+
+
+@IGNORE_INTERPRETER_WARNINGS
+def test_kernel_applies_grammar_masks_and_flags_rows_that_allow_only_stop_tokens():
+    """With a TokenMask the kernels draw each masked row from its allowed tokens only: exactly
+    what they draw from logits masked beforehand (same seed), for greedy and sampled rows; an
+    unmasked row is untouched. The second output row flags the masked rows that allow nothing
+    but stop tokens (as manager.ended_rows computes it with torch ops)."""
+    pytest.importorskip("triton")
+    from minipaged.sampling.kernels import gumbel_sample
+    from minipaged.structured_output.manager import ended_rows
+    gen = torch.Generator().manual_seed(21)
+    rows, vocab, stop = 7, 3000, 2999
+    logits = distinct_logits(gen, rows, vocab)
+    allowed = torch.rand(rows, vocab, generator=gen) < 0.3
+    allowed[2] = False
+    allowed[2, stop] = True  # the grammar has ended: only the stop token
+    allowed[3] = False
+    allowed[3, [17, stop]] = True  # complete, but it may go on
+    allowed[5] = False  # allows nothing (flagged too)
+    masked = [1, 1, 1, 1, 0, 1, 1]  # row 4 is not constrained
+    mask = _token_mask(allowed, masked, [stop])
+    inv_t = torch.tensor([0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 2.0])
+    out = gumbel_sample(logits, inv_t, seed=4, chunk=256, mask=mask)
+    assert out.shape == (2, rows)
+    forbid = ~allowed & torch.tensor(masked, dtype=torch.bool)[:, None]
+    premasked = logits.masked_fill(forbid, float("-inf"))
+    expect = gumbel_sample(premasked, inv_t, seed=4, chunk=256)
+    assert out[0].tolist() == expect.tolist()
+    assert out[0, 0] == premasked[0].argmax() and out[0, 2] == stop and out[0, 3] == 17
+    for r in (0, 1, 3, 6):
+        assert allowed[r, out[0, r]]
+    assert out[1].tolist() == [0, 0, 1, 0, 0, 1, 0]
+    assert ended_rows(mask).tolist() == out[1].tolist()
+    # all rows greedy: the one-launch kernel finds the same tokens and flags
+    from minipaged.sampling.kernels import masked_argmax
+    greedy = gumbel_sample(logits, torch.zeros(rows), seed=4, chunk=256, mask=mask)
+    assert masked_argmax(logits, mask).tolist() == greedy.tolist()
+    assert greedy[0].tolist() == premasked.argmax(-1).tolist()
+    # every token allowed: the unmasked draw, token for token
+    everything = _token_mask(torch.ones(rows, vocab, dtype=torch.bool), [1] * rows, [stop])
+    both = gumbel_sample(logits, inv_t, seed=4, chunk=256, mask=everything)
+    assert both[0].tolist() == gumbel_sample(logits, inv_t, seed=4, chunk=256).tolist()
+    assert both[1].tolist() == [0] * rows

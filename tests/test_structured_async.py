@@ -7,21 +7,32 @@ import pytest
 
 from minipaged import LLM, SamplingParams
 from minipaged.structured_output import StructuredOutputsParams as SO
+from minipaged.structured_output import background
 from minipaged.structured_output.background import BackgroundFill
+from tests.helpers import IGNORE_INTERPRETER_WARNINGS
 from tests.test_failures import run
 from tests.test_structured_output import CHOICES, PERSON, PROMPTS, REGEX, check_valid, constraints
 
 
-def _params(ignore_eos=False, temperature=0.0, n=1):
-    plain = [SamplingParams(temperature=temperature, seed=5, max_tokens=40)] * 2
-    return plain + [SamplingParams(temperature=temperature, seed=i, max_tokens=120, n=n,
-                                   ignore_eos=ignore_eos, structured_outputs=so)
+def _params(ignore_eos=False, temperature=0.0, n=1, seeded=True, max_tokens=120):
+    plain = [SamplingParams(temperature=temperature, seed=5 if seeded else None,
+                            max_tokens=40)] * 2
+    return plain + [SamplingParams(temperature=temperature, seed=i if seeded else None,
+                                   max_tokens=max_tokens, n=n, ignore_eos=ignore_eos,
+                                   structured_outputs=so)
                     for i, so in enumerate(constraints())]
 
 
-def _run(async_scheduling, params, **cfg):
+def _run(async_scheduling, params, kernel=False, **cfg):
     llm = LLM("stories260K", block_size=8, seed=1, device="cpu",
               async_scheduling=async_scheduling, **cfg)
+    # kernel: the Triton sampling kernels (interpreted), which a CUDA engine uses; under async
+    # scheduling they apply the masks and flag the grammars that ended (sampling/kernels.py)
+    sampler = llm.engine.sampler
+    sampler.use_kernel = kernel
+    inner, llm.masked_in_kernels = sampler.sample_masked, []
+    sampler.sample_masked = lambda *a: llm.masked_in_kernels.append(inner(*a)) or \
+        llm.masked_in_kernels[-1]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
     outs = llm.generate(prompts, params, use_tqdm=False)
     bm = llm.engine.block_manager
@@ -29,9 +40,15 @@ def _run(async_scheduling, params, **cfg):
     return [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs], llm
 
 
-@pytest.mark.parametrize("case", ["greedy", "ignore_eos", "sampled", "n=2", "preempted"])
+@IGNORE_INTERPRETER_WARNINGS
+@pytest.mark.parametrize("case", ["greedy", "ignore_eos", "sampled", "n=2", "preempted",
+                                  "kernel greedy", "kernel sampled"])
 def test_async_equals_sync(case):
     kw, cfg = {}, {}
+    if case.startswith("kernel"):  # unseeded rows: the kernels' own draw
+        kw = dict(seeded=False, temperature=1.0 if case.endswith("sampled") else 0.0,
+                  max_tokens=50)
+        cfg = dict(kernel=True)
     if case == "ignore_eos":  # the grammar's own end (a stop token it accepted) stops the row
         kw = dict(ignore_eos=True)
     elif case == "sampled":
@@ -47,6 +64,9 @@ def test_async_equals_sync(case):
     assert got == ref
     if case == "preempted":
         assert sum(len(r.preempted) for r in llm.trace) > 0
+    # the kernels sampled the constrained steps with their masks (else the torch path)
+    in_kernels = [out is not None for out in llm.masked_in_kernels]
+    assert (len(in_kernels) > 10 and all(in_kernels)) if "kernel" in case else not any(in_kernels)
     for so, out in zip(constraints(), got[2:]):
         assert out[0][1] in ("stop", "length")
 
@@ -55,13 +75,13 @@ def test_masks_are_filled_off_the_main_thread_after_the_next_step_is_scheduled(m
     llm = LLM("stories260K", block_size=8, seed=1, device="cpu", async_scheduling=True)
     eng = llm.engine
     events = []
-    run, start, schedule = BackgroundFill._run, BackgroundFill.start, eng._schedule
+    fill, start, schedule = background._fill, BackgroundFill.start, eng._schedule
     on_main = []
     sample_deferred = eng.async_scheduling.sample_deferred
 
-    def traced_run(self, *args):
+    def traced_fill(*args):
         on_main.append(threading.current_thread() is threading.main_thread())
-        return run(self, *args)
+        return fill(*args)
 
     def traced_start(self, *args, **kwargs):
         events.append("start")
@@ -74,7 +94,7 @@ def test_masks_are_filled_off_the_main_thread_after_the_next_step_is_scheduled(m
     def traced_sample(step):
         events.append("sample")
         return sample_deferred(step)
-    monkeypatch.setattr(BackgroundFill, "_run", traced_run)
+    monkeypatch.setattr(background, "_fill", traced_fill)
     monkeypatch.setattr(BackgroundFill, "start", traced_start)
     monkeypatch.setattr(eng, "_schedule", traced_schedule)
     monkeypatch.setattr(eng.async_scheduling, "sample_deferred", traced_sample)
@@ -115,6 +135,27 @@ class FaultySampler:
         self._check(seqs)
         return tokens
 
+    def sample_masked(self, logits, seqs, mask):
+        out = self.inner.sample_masked(logits, seqs, mask)
+        if out is not None:
+            self._check(seqs)
+        return out
+
+
+class FaultyMatcher:
+    """An xgrammar matcher that raises as its sequence's 3rd token is accepted."""
+
+    def __init__(self, matcher, seq):
+        self.inner, self.seq = matcher, seq
+
+    def accept_token(self, token):
+        if self.seq.num_output_tokens == 2:
+            raise RuntimeError("injected grammar fault")
+        return self.inner.accept_token(token)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
 
 REQUESTS = {"plain": ("The cat", SamplingParams(temperature=0, max_tokens=30)),
             "regex": ("Tom had a big red ball",
@@ -139,20 +180,21 @@ def test_a_fault_in_a_deferred_step_fails_its_request_alone(reference, monkeypat
     eng = LLM("stories260K", block_size=8, seed=1, device="cpu", async_scheduling=True).engine
     if where == "sampler":
         monkeypatch.setattr(eng, "sampler", FaultySampler(eng.sampler, "culprit"))
-    else:  # its matcher cannot be had (the worker's start)
+    else:  # its matcher raises as it accepts the 3rd token (the fill's start)
         mgr = eng.structured_output
         matcher_of = mgr.matcher_of
 
         def faulty(seq):
-            if seq.request_id == "culprit" and seq.num_output_tokens == 2:
-                raise RuntimeError("injected grammar fault")
-            return matcher_of(seq)
+            st = matcher_of(seq)
+            if seq.request_id == "culprit" and not isinstance(st.matcher, FaultyMatcher):
+                st.matcher = FaultyMatcher(st.matcher, seq)
+            return st
         monkeypatch.setattr(mgr, "matcher_of", faulty)
     outs = _run_requests(eng)
     bad = outs.pop("culprit")
     assert bad.outputs[0].finish_reason == "error" and "injected" in bad.error
-    # the sampler raises for its 3rd token; the matcher raises when it is asked for the mask
-    # after its 2nd, which (read with the step before) is then the worker's 3rd token
+    # the sampler raises for its 3rd token; the matcher raises as it accepts the 3rd token,
+    # read with the step before and appended before that step's error is
     kept = 2 if where == "sampler" else 3
     assert bad.outputs[0].token_ids == reference["culprit"].outputs[0].token_ids[:kept]
     for rid, o in outs.items():

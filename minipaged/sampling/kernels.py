@@ -32,12 +32,20 @@ in registers: a separate fp32 copy of them would cost more than both kernels.
 The sampler uses these only when every row is greedy or unseeded with no top-k/top-p/min-p
 (tokens banned by min_tokens are -inf logits, which never win); everything else takes the torch
 path of `sampler.py`.
+
+Grammar masks (lesson 12) ride along: given a `TokenMask`, both kernels read each masked row's
+bitmask words (bit t % 32 of word t // 32: token t allowed, xgrammar's layout) beside its logits
+and treat forbidden tokens as -inf, so a constrained step costs no extra pass over the logits.
+They also report, per row, whether the mask allows any token that is not a stop token: a row
+whose grammar has ended allows stop tokens only (structured_output/background.py).
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from minipaged.sampling.params import TokenMask
 
 
 @triton.jit
@@ -47,8 +55,13 @@ def chunk_stats_kernel(
     lse_ptr,  # (rows, num_chunks) fp32: log of the sum over the chunk of exp(logit / T)
     max_ptr,  # (rows, num_chunks) fp32: the chunk's largest logit ...
     argmax_ptr,  # (rows, num_chunks) int32: ... and the first token holding it
-    stride_row, vocab,
+    bitmask_ptr,  # (rows, ceil(vocab / 32)) int32, if HAS_MASK: bit t % 32 of word t // 32
+    masked_ptr,  # (rows,) int32: 1 = apply the row's bitmask, 0 = the row is not constrained
+    keep_ptr,  # (ceil(vocab / 32),) int32: the bits of every token but the stop tokens
+    open_ptr,  # (rows, num_chunks) int32: does the chunk allow a token that is not a stop?
+    stride_row, stride_mask, vocab,
     CHUNK: tl.constexpr,  # tokens per chunk (a power of two)
+    HAS_MASK: tl.constexpr,
 ):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -57,6 +70,10 @@ def chunk_stats_kernel(
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab,
                 other=float("-inf")).to(tl.float32)
+    if HAS_MASK:
+        x, opened = _apply_mask(x, cols, row, bitmask_ptr, masked_ptr, keep_ptr, stride_mask,
+                                vocab)
+        tl.store(open_ptr + row * tl.num_programs(1) + chunk, tl.max(opened, axis=0))
     m = tl.max(x, axis=0)
     first = tl.min(tl.where(x == m, cols, vocab), axis=0)  # the first maximum, as torch.argmax
     first = tl.minimum(first, vocab - 1)  # NaN logits match nothing: still a valid token id
@@ -70,6 +87,24 @@ def chunk_stats_kernel(
 
 
 @triton.jit
+def _apply_mask(x, cols, row, bitmask_ptr, masked_ptr, keep_ptr, stride_mask, vocab):
+    """x with the tokens `cols` that row's bitmask forbids set to -inf, and per token 1 where it
+    is allowed and not a stop token (an unmasked row: x unchanged, every token counts)."""
+    if tl.load(masked_ptr + row) != 0:
+        in_vocab = cols < vocab
+        words = tl.load(bitmask_ptr + row.to(tl.int64) * stride_mask + cols // 32,
+                        mask=in_vocab, other=0)
+        shift = cols % 32
+        allowed = ((words >> shift) & 1) != 0
+        keep = tl.load(keep_ptr + cols // 32, mask=in_vocab, other=0)
+        opened = ((words & keep) >> shift) & 1
+        x = tl.where(allowed, x, float("-inf"))
+    else:
+        opened = tl.full(cols.shape, 1, tl.int32)
+    return x, opened
+
+
+@triton.jit
 def _gumbel(u):
     return -tl.log(-tl.log(u + 1e-20) + 1e-20)  # the epsilons keep u = 0 finite
 
@@ -79,16 +114,22 @@ def _gumbel(u):
 @triton.jit(do_not_specialize=["seed"])
 def pick_kernel(
     logits_ptr, inv_temperature_ptr, lse_ptr, max_ptr, argmax_ptr,  # as above
-    out_ptr,  # (rows,) int64: the sampled token of each row
-    stride_row, vocab, num_chunks, seed,
+    bitmask_ptr, masked_ptr, keep_ptr, open_ptr,  # as above, if HAS_MASK
+    out_ptr,  # (rows,) int64: the sampled token of each row; if HAS_MASK (2, rows): then
+              # 1 where the row's mask allows stop tokens only (its grammar has ended)
+    stride_row, stride_mask, vocab, num_chunks, seed,
     CHUNK: tl.constexpr,
     CHUNKS_PAD: tl.constexpr,  # num_chunks padded to a power of two
+    HAS_MASK: tl.constexpr,
 ):
     row = tl.program_id(0)
     inv_t = tl.load(inv_temperature_ptr + row)
     chunks = tl.arange(0, CHUNKS_PAD)
     stats = row * num_chunks + chunks
     valid = chunks < num_chunks
+    if HAS_MASK:
+        opened = tl.load(open_ptr + stats, mask=valid, other=0)
+        tl.store(out_ptr + tl.num_programs(0) + row, (tl.max(opened, axis=0) == 0).to(tl.int64))
     if inv_t > 0:
         # 1. which chunk: Gumbel-max over the chunks' log-sum-exps. Their uniforms sit past
         #    every token's counter: rows * quads_per_row + row * num_chunks + c
@@ -106,6 +147,9 @@ def pick_kernel(
         mask = cols < vocab
         x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=mask,
                     other=float("-inf")).to(tl.float32)
+        if HAS_MASK:
+            x, _ = _apply_mask(x, cols, row, bitmask_ptr, masked_ptr, keep_ptr, stride_mask,
+                               vocab)
         u0, u1, u2, u3 = tl.rand4x(seed, row * quads_per_row + chunk * (CHUNK // 4) + quads)
         u = tl.where(lanes[None, :] == 0, u0[:, None],  # lane l of each quad takes u_l
                      tl.where(lanes[None, :] == 1, u1[:, None],
@@ -122,18 +166,69 @@ def pick_kernel(
         tl.store(out_ptr + row, token.to(tl.int64))
 
 
+@triton.jit
+def masked_argmax_kernel(
+    logits_ptr, bitmask_ptr, masked_ptr, keep_ptr,  # as above
+    out_ptr,  # (2, rows) int64: each row's first allowed maximum; 1 if it allows stop tokens only
+    stride_row, stride_mask, vocab,
+    BLOCK: tl.constexpr,
+):
+    """Greedy rows with grammar masks: one program walks a row's vocabulary in blocks."""
+    row = tl.program_id(0)
+    best = float("-inf")
+    best_token = 0
+    opened = 0
+    for start in range(0, vocab, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab,
+                    other=float("-inf")).to(tl.float32)
+        x, allowed_open = _apply_mask(x, cols, row, bitmask_ptr, masked_ptr, keep_ptr,
+                                      stride_mask, vocab)
+        m = tl.max(x, axis=0)
+        first = tl.min(tl.where(x == m, cols, vocab), axis=0)
+        best_token = tl.where(m > best, first, best_token)  # a later block must beat it
+        best = tl.maximum(best, m)
+        opened = tl.maximum(opened, tl.max(allowed_open, axis=0))
+    tl.store(out_ptr + row, tl.minimum(best_token, vocab - 1).to(tl.int64))
+    tl.store(out_ptr + tl.num_programs(0) + row, (opened == 0).to(tl.int64))
+
+
+def masked_argmax(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
+    """What `gumbel_sample(logits, zeros, seed, mask=mask)` returns for all-greedy rows, in one
+    launch: (2, rows) int64, the first maximum among each row's allowed tokens, then 1 for each
+    masked row that allows stop tokens only."""
+    rows, vocab = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    out = torch.empty((2, rows), dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return out
+    bitmask, masked, keep = mask
+    interpret = logits.device.type == "cpu"
+    masked_argmax_kernel[(rows,)](
+        logits, bitmask, masked, keep, out, logits.stride(0), bitmask.stride(0), vocab,
+        BLOCK=min(max(16, triton.next_power_of_2(vocab)), 1024 if interpret else 4096),
+        num_warps=1 if interpret else 8)
+    return out
+
+
 def gumbel_sample(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int,
-                  chunk: int | None = None) -> torch.Tensor:
+                  chunk: int | None = None, mask: TokenMask | None = None) -> torch.Tensor:
     """One token per row of `logits` (rows, vocab) from softmax(logits * inv_temperature);
     argmax where inv_temperature is 0. Returns (rows,) int64 on the logits' device.
 
     `chunk`: tokens per chunk (a power of two, at least 16; default 2,048, Qwen3's 151,936
     tokens make 75 chunks per row). Any chunking draws from the same distribution; the tokens
-    drawn for a given seed depend on it."""
+    drawn for a given seed depend on it.
+
+    With a `mask`, each masked row draws from its allowed tokens only, and the result is
+    (2, rows) int64: the tokens, then 1 for each masked row that allows stop tokens only. A row
+    that allows no token at all gets a token id all the same (and 1)."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    out = torch.empty((rows,) if mask is None else (2, rows), dtype=torch.int64,
+                      device=logits.device)
     if rows == 0:
         return out
     interpret = logits.device.type == "cpu"
@@ -144,11 +239,21 @@ def gumbel_sample(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int
     maxes = torch.empty((rows, num_chunks), dtype=torch.float32, device=logits.device)
     argmax = torch.empty((rows, num_chunks), dtype=torch.int32, device=logits.device)
     warps = 1 if interpret else 4
+    if mask is None:
+        bitmask = masked = keep = opened = lse  # not read (HAS_MASK=False)
+        stride_mask = 0
+    else:
+        bitmask, masked, keep = mask
+        assert bitmask.shape[0] >= rows and bitmask.shape[1] * 32 >= vocab, bitmask.shape
+        opened = torch.empty((rows, num_chunks), dtype=torch.int32, device=logits.device)
+        stride_mask = bitmask.stride(0)
     chunk_stats_kernel[(rows, num_chunks)](
-        logits, inv_temperature, lse, maxes, argmax, logits.stride(0), vocab,
-        CHUNK=chunk, num_warps=warps)
+        logits, inv_temperature, lse, maxes, argmax, bitmask, masked, keep, opened,
+        logits.stride(0), stride_mask, vocab, CHUNK=chunk, HAS_MASK=mask is not None,
+        num_warps=warps)
     pick_kernel[(rows,)](
-        logits, inv_temperature, lse, maxes, argmax, out, logits.stride(0), vocab, num_chunks,
-        seed, CHUNK=chunk, CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)),
+        logits, inv_temperature, lse, maxes, argmax, bitmask, masked, keep, opened, out,
+        logits.stride(0), stride_mask, vocab, num_chunks, seed, CHUNK=chunk,
+        CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)), HAS_MASK=mask is not None,
         num_warps=warps)
     return out

@@ -9,11 +9,14 @@ engine adds the checks that need the model (`engine/processor.py`: ids inside th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from minipaged.structured_output.params import StructuredOutputsParams
 from minipaged.validation import (INT32_MAX, SEED_MAX, SEED_MIN, check_bool, check_float,
                                   check_int, check_int_list)
+
+if TYPE_CHECKING:
+    import torch
 
 _GREEDY_EPS = 1e-5
 
@@ -110,3 +113,11 @@ class SamplerOutput:
     # Per row: {token_id: Logprob} holding the top-`logprobs` tokens and the sampled one (or None).
     logprobs: list[Optional[dict[int, Logprob]]] = field(default_factory=list)
     sampled_logprobs: list[Optional[float]] = field(default_factory=list)
+
+
+class TokenMask(NamedTuple):
+    """Grammar masks for a step's rows, on the logits' device (structured_output/manager.py
+    fills them; the sampling kernels apply them, kernels.py)."""
+    bitmask: "torch.Tensor"  # (rows, ceil(vocab / 32)) int32: bit t % 32 of word t // 32 = allowed
+    masked: "torch.Tensor"  # (rows,) int32: 1 = the row is constrained (its bitmask applies)
+    keep: "torch.Tensor"  # (ceil(vocab / 32),) int32: every bit set but the stop tokens'

@@ -22,7 +22,7 @@ from typing import Optional, Sequence as Seq
 import torch
 
 from minipaged.engine.sequence import Sequence
-from minipaged.sampling.params import Logprob, SamplerOutput, SamplingParams
+from minipaged.sampling.params import Logprob, SamplerOutput, SamplingParams, TokenMask
 from minipaged.utils import to_device
 
 
@@ -80,6 +80,7 @@ class Sampler:
         # on for CUDA (EngineConfig.sampler_kernel); on the CPU they need TRITON_INTERPRET=1.
         self.use_kernel = use_kernel
         self._host_generator = torch.Generator().manual_seed(seed)  # the kernel's per-step seeds
+        self._last_rows = None  # sample_masked: (its last rows, kernels apply?, their 1 / T)
 
     def _engine_generator(self, device: torch.device) -> torch.Generator:
         if self.generator is None or self.generator.device != device:
@@ -133,6 +134,42 @@ class Sampler:
             seed = int(torch.randint(2**31 - 1, (1,), generator=self._host_generator))
             return gumbel_sample(logits, inv_t, seed)
         return self._sample(logits, seqs)
+
+    @torch.no_grad()
+    def sample_masked(self, logits: torch.Tensor, seqs: Seq[Sequence],
+                      mask: TokenMask) -> Optional[torch.Tensor]:
+        """`sample` with grammar masks applied inside the kernels (kernels.py), for async
+        scheduling's constrained steps on the GPU: (2, rows) int64, the tokens and, per row, 1
+        where its mask allows stop tokens only. None where the kernels do not apply (the caller
+        applies the masks to the logits and calls `sample`). Such steps have no penalties,
+        logprobs or min_tokens bans (async scheduling samples those at once), and from one step
+        to the next their rows are mostly the same sequences: what the rows ask for is worked
+        out once per batch (`_rows_plan`)."""
+        kernel, inv_t = self._rows_plan(logits, seqs)
+        if not kernel:
+            return None
+        from minipaged.sampling.kernels import gumbel_sample, masked_argmax
+        if inv_t is None:  # all greedy: one launch, and no draw (as `sample` takes none)
+            return masked_argmax(logits, mask)
+        seed = int(torch.randint(2**31 - 1, (1,), generator=self._host_generator))
+        return gumbel_sample(logits, inv_t, seed, mask=mask)
+
+    def _rows_plan(self, logits: torch.Tensor, seqs: Seq[Sequence]):
+        """(do the kernels apply, the rows' 1 / T on the device or None if all are greedy),
+        kept while the rows are the same sequences (`Sequence` compares by identity)."""
+        last = self._last_rows
+        if last is not None and last[0] == seqs:
+            return last[1], last[2]
+        params = [s.sampling_params for s in seqs]
+        kernel = (self._kernel_applies(logits, params)
+                  and not any(p.has_penalties for p in params)
+                  and not any(s.num_output_tokens < s.sampling_params.min_tokens for s in seqs))
+        inv_t = None
+        if kernel and not all(p.greedy for p in params):
+            inv_t = to_device([0.0 if p.greedy else 1.0 / p.temperature for p in params],
+                              logits.device, torch.float32)
+        self._last_rows = (list(seqs), kernel, inv_t)
+        return kernel, inv_t
 
     def _kernel_applies(self, logits: torch.Tensor, params: list[SamplingParams]) -> bool:
         """Plain temperature (or greedy) rows without a seed: the Triton kernels' two-stage draw."""

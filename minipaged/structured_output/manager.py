@@ -8,6 +8,9 @@ bitmask per step (lesson 12).
                                    call, applied to the logits in one call (forbidden -> -inf)
     accept(seq)                    after a token is appended: advance the matcher; a grammar at
                                    its end finishes the request ("stop")
+    token_mask(rows, n, device)    under async scheduling instead (background.py fills the
+                                   bitmask on a worker thread): the filled rows for the sampling
+                                   kernels, which apply them and find the grammars that ended
 
 The library is xgrammar (the README says why). A matcher is a pushdown automaton over the
 grammar; filling its bitmask writes, for its state, which of the vocabulary's tokens may come
@@ -40,6 +43,7 @@ from typing import Optional, Sequence as Seq
 import torch
 
 from minipaged.engine.sequence import Sequence, SequenceStatus
+from minipaged.sampling.params import TokenMask
 from minipaged.structured_output.params import StructuredOutputsParams, grammar_of, library_error
 
 
@@ -63,6 +67,7 @@ class StructuredOutputManager:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's vocabulary)
         self.eos_token_ids = list(eos_token_ids)
+        self.stop_ids = frozenset(self.eos_token_ids)  # the matchers' stop tokens
         self.max_num_seqs = max_num_seqs
         self.cache_size = cache_size
         self._compiler = None  # built on the first constrained request (xgrammar's import: ~2 s)
@@ -74,6 +79,9 @@ class StructuredOutputManager:
         # host buffers, pinned when the logits are on CUDA, reused each step
         self._bitmask: Optional[torch.Tensor] = None  # (max_num_seqs, ceil(vocab / 32)) int32
         self._indices: Optional[torch.Tensor] = None  # (max_num_seqs,) int32: constrained rows
+        self._masked: Optional[torch.Tensor] = None  # (max_num_seqs,) int32: row constrained?
+        self._keep: dict[torch.device, torch.Tensor] = {}  # device -> the non-stop tokens' bits
+        self._last_masked = None  # (rows, num_rows, their flags on the device): token_mask's
         self._copied = None  # CUDA event: the last copy out of the host buffers is done
         self._one_row: Optional[torch.Tensor] = None  # (1, ceil(vocab / 32)): has it ended?
         self.advance_on_fill = False  # set by async scheduling: see `accept`
@@ -151,9 +159,11 @@ class StructuredOutputManager:
             n = max(self.max_num_seqs, num_rows)
             self._bitmask = xgr.allocate_token_bitmask(n, self.vocab_size)
             self._indices = torch.zeros(n, dtype=torch.int32)
+            self._masked = torch.zeros(n, dtype=torch.int32)
             if pin:
                 self._bitmask = self._bitmask.pin_memory()
                 self._indices = self._indices.pin_memory()
+                self._masked = self._masked.pin_memory()
             self._copied = None
         if self._batch is None:
             self._batch = xgr.BatchGrammarMatcher(self.max_threads)
@@ -187,6 +197,36 @@ class StructuredOutputManager:
                                         indices=indices)
         return logits
 
+    def token_mask(self, rows: list[int], num_rows: int, device: torch.device) -> TokenMask:
+        """The host bitmask's first `num_rows` rows, with `rows` marked constrained, for the
+        sampling kernels on `device` (copied without waiting: the buffers are not written again
+        before the copy is done, see `prepare_buffers`). The same `rows` list as the last time
+        (background.py keeps it while the batch stays the same) reuses its row flags."""
+        last = self._last_masked
+        if last is not None and last[0] is rows and last[1] == num_rows and last[2].device == device:
+            masked = last[2]
+        else:
+            if self._copied is not None:
+                self._copied.synchronize()  # the last copy of the flags has left
+            flags = self._masked.numpy()
+            flags[:num_rows] = 0
+            flags[rows] = 1
+            masked = self._masked[:num_rows].to(device, non_blocking=True)
+            self._last_masked = (rows, num_rows, masked)
+        keep = self._keep.get(device)
+        if keep is None:
+            words = torch.full((self._bitmask.shape[1],), -1, dtype=torch.int64)
+            for t in self.eos_token_ids:
+                if 0 <= t < self.vocab_size:
+                    words[t // 32] &= ~(1 << (t % 32))
+            keep = self._keep[device] = words.to(torch.int32).to(device)
+        mask = TokenMask(self._bitmask[:num_rows].to(device, non_blocking=True), masked, keep)
+        if device.type == "cuda":
+            if self._copied is None:
+                self._copied = torch.cuda.Event()
+            self._copied.record()  # (re-recorded: synchronize waits for the latest copy)
+        return mask
+
     def accept(self, seq: Sequence) -> Optional[SequenceStatus]:
         """Advance `seq`'s matcher over its new tokens; FINISHED_STOPPED once the grammar has
         ended (it accepted a stop token, or nothing but one can follow). Under async scheduling
@@ -204,6 +244,13 @@ class StructuredOutputManager:
         """Has the grammar ended, i.e. can nothing but a stop token follow?"""
         m = st.matcher
         return m.is_terminated() or (m.is_completed() and _only_stop_tokens(self, m))
+
+
+def ended_rows(mask: TokenMask) -> torch.Tensor:
+    """(rows,) int64: 1 where a constrained row's mask allows stop tokens only (its grammar has
+    ended), what the sampling kernels report beside their tokens (torch ops, for the others)."""
+    opened = (mask.bitmask & mask.keep).ne(0).any(dim=1)
+    return (mask.masked.ne(0) & ~opened).to(torch.int64)
 
 
 def rejected_token(seq: Sequence, token: int, position: int) -> ValueError:

@@ -27,8 +27,10 @@ deferred: a row's mask needs the row's previous token, so that step reads the pr
 tokens first, advances the constrained rows' matchers by them, hands the mask fill to a worker
 thread (structured_output/background.py) and leaves its logits unsampled (`DeferredStep`). It
 is sampled when its tokens are first needed: while the next step's inputs are built (after that
-step has been scheduled, the worker filling meanwhile), or when it is read. A row whose grammar
-had ended is finished there ("stop") and its token dropped.
+step has been scheduled, the worker filling meanwhile), or when it is read. On the GPU the masks
+are applied inside the sampling kernels, which also flag, beside each token, a row whose mask
+allows stop tokens only. A row whose grammar had ended is finished when the step is read
+("stop") and its token dropped.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ from minipaged.engine.output import RequestOutput
 from minipaged.engine.scheduler import Scheduler
 from minipaged.engine.sequence import Sequence, SequenceStatus
 from minipaged.sampling import SamplerOutput
+from minipaged.structured_output.manager import ended_rows
 
 
 class PendingStep:
@@ -50,7 +53,8 @@ class PendingStep:
 
     Row i of `tokens` is the next token of `seqs[i]`. The copy into pinned host memory starts
     at once and does not block; `host_tokens()` waits for it (and so for that step) only.
-    `ended` and `errors` are a deferred step's rows that finish or fail when it is read.
+    `ended` and `errors` are a deferred step's rows that finish or fail when it is read, and
+    `grammar_ended` (known once read) the rows its sampler flagged: their grammar had ended.
     """
 
     def __init__(self, seqs: list[Sequence], tokens: Optional[torch.Tensor] = None):
@@ -58,12 +62,15 @@ class PendingStep:
         self.row_of = {seq.seq_id: i for i, seq in enumerate(seqs)}
         self.ended: list[Sequence] = []
         self.errors: list[tuple[Sequence, Exception]] = []
+        self.grammar_ended: list[int] = []
         self._tokens = None
         if tokens is not None:
             self.start_copy(tokens)
 
     def start_copy(self, tokens: torch.Tensor) -> None:
-        self._tokens = tokens  # (num_seqs,) int64 on the device: the next step's input ids
+        """tokens: (num_seqs,) int64 on the device, the next step's input ids; or (2, num_seqs):
+        those, then 1 for each row whose grammar has ended."""
+        self._tokens = tokens if tokens.dim() == 1 else tokens[0]
         if tokens.is_cuda:
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self._host.copy_(tokens, non_blocking=True)
@@ -80,7 +87,12 @@ class PendingStep:
         self.tokens  # noqa: B018 (a deferred step samples now)
         if self._ready is not None:
             self._ready.synchronize()
-        return self._host.tolist()
+        if self._host.dim() == 1:
+            return self._host.tolist()
+        tokens, ended = self._host.tolist()
+        if any(ended):
+            self.grammar_ended = [i for i, e in enumerate(ended) if e]
+        return tokens
 
 
 class DeferredStep(PendingStep):
@@ -189,7 +201,7 @@ class AsyncScheduling:
             fills = []  # started as soon as the tokens are read, before they are processed
             outputs, finished = self.read_pending(
                 lambda pending, tokens: fills.append(self.fill.start(
-                    sampling, pin, just_read=(pending.row_of, tokens))))
+                    sampling, pin, just_read=(pending, tokens))))
             fill = fills[0] if fills else self.fill.start(sampling, pin)
             self.pending_step(DeferredStep(sampling, logits, fill, self.sample_deferred))
             eng._record(sched, finished, t0)
@@ -231,9 +243,10 @@ class AsyncScheduling:
             return None
 
     def sample_deferred(self, step: DeferredStep) -> None:
-        """Sample a deferred step once its masks are filled: on the device, as `sample` does.
-        If the sampler raises, each row is sampled alone (synchronously) and the rows that
-        raise fail when the step is read; rows whose grammar ended or raised get token 0,
+        """Sample a deferred step once its masks are filled: on the device, as `sample` does,
+        the masks applied inside the sampling kernels where they apply (else to the logits
+        first). If the sampler raises, each row is sampled alone (synchronously) and the rows
+        that raise fail when the step is read; rows whose grammar ended or raised get token 0,
         dropped when read."""
         eng = self.engine
         mgr = eng.structured_output
@@ -241,9 +254,15 @@ class AsyncScheduling:
         logits, seqs = step.logits, step.seqs
         step.logits = step.fill = None
         generators = failures.save_generators(seqs)
+        mask = mgr.token_mask(rows, len(seqs), logits.device) if rows else None
         try:
-            tokens = eng.sampler.sample(mgr.apply_bitmask(logits, rows), seqs)
+            out = None if mask is None else eng.sampler.sample_masked(logits, seqs, mask)
+            if out is None:
+                tokens = eng.sampler.sample(mgr.apply_bitmask(logits, rows), seqs)
+                out = tokens if mask is None else torch.stack((tokens, ended_rows(mask)))
         except Exception:
+            if mask is not None:  # the rows the kernels would have flagged
+                step.ended += [seqs[i] for i in ended_rows(mask).nonzero().flatten().tolist()]
             skip = {id(s) for s in step.ended} | {id(s) for s, _ in step.errors}
             keep = [i for i, s in enumerate(seqs) if id(s) not in skip]
 
@@ -253,9 +272,9 @@ class AsyncScheduling:
                                                       [seqs[i] for i in keep], generators)
             step.errors += failed
             token_of = {id(s): out.token_ids[0] for s, out in done}
-            tokens = torch.tensor([token_of.get(id(s), 0) for s in seqs], dtype=torch.int64,
-                                  device=logits.device)
-        step.start_copy(tokens)
+            out = torch.tensor([token_of.get(id(s), 0) for s in seqs], dtype=torch.int64,
+                               device=logits.device)
+        step.start_copy(out)
 
     def finish_ended(self, seqs: list[Sequence], outputs: list[RequestOutput],
                      finished: list[str]) -> None:
@@ -304,7 +323,7 @@ class AsyncScheduling:
         for seq, exc in pending.errors:  # a deferred step's rows: before any token is appended
             if not seq.is_finished:
                 self.engine._fail(seq, exc, outputs, finished)
-        for seq in pending.ended:
+        for seq in pending.ended + [pending.seqs[i] for i in pending.grammar_ended]:
             if not seq.is_finished:
                 self.finish_stopped(seq, outputs, finished)
         if before_process is not None:
