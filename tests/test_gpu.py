@@ -280,7 +280,8 @@ def test_stories260k_fp8_weights_with_cuda_graphs():
 
 
 def test_structured_outputs_on_gpu_with_a_qwen3_sized_vocabulary(tmp_path):
-    """Grammar masks on CUDA (the bitmask copied to the GPU, applied by xgrammar's Triton kernel)
+    """Grammar masks on CUDA (the bitmask copied to the GPU and applied inside the sampling
+    kernels, async scheduling being CUDA's default; they also flag the rows whose grammar ended)
     over Qwen3's 151,936 ids: dummy Qwen3-0.6B with the benchmark's synthetic byte-level
     tokenizer. Constrained rows end ("stop") in JSON of the schema; the unconstrained rows of the
     same batch sample the first token they sample with no constraint anywhere (same shapes)."""
