@@ -20,7 +20,8 @@ Failure handling, so that the driver never hangs:
   * a worker that is killed closes its sockets the same way; the error names its exit signal;
   * with NCCL, whose collectives wait on the GPU rather than a socket, a watcher thread aborts
     the process group when a worker dies, so the waiting kernels fail instead of hanging;
-  * workers stop when the engine is garbage-collected or the interpreter exits (a STOP header),
+  * workers stop when the engine is garbage-collected or the interpreter exits: a STOP header,
+    then every rank meets at `shutdown_barrier` (with a timeout) before destroying its groups,
     and on their own when the driver dies (their cpu_group wait fails, and a thread watching
     the parent process ends them).
 """
@@ -40,7 +41,8 @@ from typing import Optional
 import torch
 
 from minipaged.distributed.parallel_state import (TPGroup, destroy_groups, free_port,
-                                                  init_groups, launched_by_env)
+                                                  init_groups, launched_by_env,
+                                                  shutdown_barrier)
 
 logger = logging.getLogger("minipaged.distributed")
 START_TIMEOUT_S = 120.0  # a worker imports torch and minipaged before it says "started"
@@ -61,10 +63,10 @@ def start_tensor_parallel(config, source) -> TPGroup:
         if rank != 0:
             from minipaged.worker.tp_worker import run_worker
             run_worker(config, source, tp)
-            destroy_groups()
+            destroy_groups(tp)
             sys.exit(0)  # this rank's LLM(...) never returns: the driver's script goes on
         workers = Workers()  # no processes of ours: stop() only sends STOP to the ranks
-        tp.workers, workers.cpu_group = workers, tp.cpu_group
+        tp.workers, workers.cpu_group, workers.tp = workers, tp.cpu_group, weakref.ref(tp)
         weakref.finalize(tp, workers.stop)
         return tp
     if cuda:
@@ -83,7 +85,7 @@ def start_tensor_parallel(config, source) -> TPGroup:
         workers.add(rank, proc, ours)
     workers.wait_started()
     tp = init_groups(0, n, cuda, init_method)
-    tp.workers, workers.cpu_group = workers, tp.cpu_group
+    tp.workers, workers.cpu_group, workers.tp = workers, tp.cpu_group, weakref.ref(tp)
     weakref.finalize(tp, workers.stop)  # the workers live as long as the model's shards
     workers.watch(tp.backend)
     return tp
@@ -120,6 +122,7 @@ class Workers:
         self.pipes: dict[int, object] = {}
         self.errors: dict[int, str] = {}  # rank -> the traceback it sent
         self.cpu_group = None
+        self.tp: Optional[weakref.ref] = None  # the driver's TPGroup, not kept alive by us
         self.failed: Optional[WorkerFailed] = None
         self.stopped = False
 
@@ -216,9 +219,10 @@ class Workers:
         procs = list(self.procs.values())
         if (self.cpu_group is not None and self.failed is None
                 and all(p.is_alive() for p in procs)):
-            try:
+            try:  # then meet the workers before any group goes (shutdown_barrier says why)
                 from minipaged.distributed.step_inputs import STOP, send_header
                 send_header(self.cpu_group, STOP)
+                shutdown_barrier(self.cpu_group)
             except Exception:  # noqa: BLE001 (a worker died meanwhile: ended below)
                 pass
         deadline = time.monotonic() + timeout
@@ -233,7 +237,8 @@ class Workers:
                 proc.join(5.0)
         for pipe in self.pipes.values():
             pipe.close()
-        destroy_groups()
+        destroy_groups(self.tp() if self.tp is not None else None)
+        self.cpu_group = None
 
 
 def _worker_process(rank: int, world_size: int, init_method: str, config, source, pipe,
@@ -248,13 +253,13 @@ def _worker_process(rank: int, world_size: int, init_method: str, config, source
         tp = init_groups(rank, world_size, config.is_cuda, init_method)
         from minipaged.worker.tp_worker import run_worker
         run_worker(config, source, tp)
+        destroy_groups(tp)
     except BaseException:  # noqa: BLE001 (reported to the driver, then this process ends)
         try:
             pipe.send(("error", traceback.format_exc()))
             pipe.close()
         finally:
             os._exit(1)
-    destroy_groups()
     os._exit(0)
 
 

@@ -21,6 +21,7 @@ started every rank: the same variables carry the group across machines.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -29,10 +30,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+logger = logging.getLogger("minipaged.distributed")
 # A step's collectives finish in well under this; a peer that hangs (alive, not answering)
 # makes the other side raise after it. MINIPAGED_TP_TIMEOUT (seconds) overrides it.
 DEFAULT_TIMEOUT_S = 300.0
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # workers wait on the cpu group between steps
+SHUTDOWN_TIMEOUT = datetime.timedelta(seconds=10)  # every rank meets after STOP (shutdown_barrier)
 
 
 @dataclass
@@ -86,12 +89,37 @@ def init_groups(rank: int, world_size: int, cuda: bool,
     return TPGroup(rank, world_size, device_group, cpu_group, backend)
 
 
-def destroy_groups() -> None:
+def shutdown_barrier(cpu_group) -> bool:
+    """Every rank calls this after the STOP header, before destroying any group: the driver
+    right after sending it, each worker right after receiving it. False (and a warning) if a
+    peer did not arrive within SHUTDOWN_TIMEOUT (it died or hangs): shutdown goes on without it.
+
+    Why wait at all: a finished collective's tensor is released by one of gloo's C++ threads,
+    a moment after the caller's wait() returned, and releasing a tensor made in Python takes
+    the GIL. A driver that sent STOP and went straight on to interpreter exit could meet that
+    thread there; CPython ends a thread that asks for the GIL during finalization, and ending
+    a C++ thread that way aborts the process ("terminate called without an active
+    exception", SIGABRT). While every rank waits here, with the GIL released, those threads
+    finish; and no rank tears down its sockets while another still uses them."""
+    try:  # gloo only (the cpu group is); its error names the ranks that did not arrive
+        dist.monitored_barrier(group=cpu_group, timeout=SHUTDOWN_TIMEOUT)
+        return True
+    except RuntimeError as exc:
+        logger.warning("tensor-parallel shutdown: %s", str(exc).splitlines()[0])
+        return False
+
+
+def destroy_groups(tp: Optional[TPGroup] = None) -> None:
+    """Destroy every process group (torch destroys them newest first, the same order on every
+    rank). Dropping `tp`'s references as well ends the C++ groups now, joining gloo's threads
+    while Python still runs, rather than leaving them alive until the interpreter exits."""
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception:  # a group broken by a dead peer: nothing left to tidy
             pass
+    if tp is not None:
+        tp.device_group = tp.cpu_group = None
 
 
 def all_reduce(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from minipaged.distributed.parallel_state import TPGroup
+from minipaged.distributed.parallel_state import TPGroup, shutdown_barrier
 from minipaged.distributed.step_inputs import (STEP, STOP, StepInputs, broadcast_sizes,
                                                broadcast_step, recv_header, recv_step)
 from minipaged.worker.kv_cache import copy_blocks, raw
@@ -111,6 +111,7 @@ def run_worker(config, source, tp: TPGroup) -> None:
         while True:
             header = recv_header(tp)
             if header[0] == STOP:
+                shutdown_barrier(tp.cpu_group)  # the driver waits there too, then both destroy
                 return
             if header[0] != STEP:
                 raise RuntimeError(f"unexpected message {header[0]} from the driver")
