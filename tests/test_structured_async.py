@@ -15,11 +15,13 @@ from tests.test_structured_output import CHOICES, PERSON, PROMPTS, REGEX, check_
 
 
 def _params(ignore_eos=False, temperature=0.0, n=1, seeded=True, max_tokens=120):
-    plain = [SamplingParams(temperature=temperature, seed=5 if seeded else None,
+    """`temperature`: one for every row, or a list to cycle through."""
+    temps = temperature if isinstance(temperature, list) else [temperature]
+    plain = [SamplingParams(temperature=temps[0], seed=5 if seeded else None,
                             max_tokens=40)] * 2
-    return plain + [SamplingParams(temperature=temperature, seed=i if seeded else None,
-                                   max_tokens=max_tokens, n=n, ignore_eos=ignore_eos,
-                                   structured_outputs=so)
+    return plain + [SamplingParams(temperature=temps[i % len(temps)],
+                                   seed=i if seeded else None, max_tokens=max_tokens, n=n,
+                                   ignore_eos=ignore_eos, structured_outputs=so)
                     for i, so in enumerate(constraints())]
 
 
@@ -46,8 +48,8 @@ def _run(async_scheduling, params, kernel=False, **cfg):
 def test_async_equals_sync(case):
     kw, cfg = {}, {}
     if case.startswith("kernel"):  # unseeded rows: the kernels' own draw
-        kw = dict(seeded=False, temperature=1.0 if case.endswith("sampled") else 0.0,
-                  max_tokens=50)
+        kw = dict(seeded=False, max_tokens=50,  # sampled: greedy and two temperatures mixed
+                  temperature=[1.0, 0.0, 0.7] if case.endswith("sampled") else 0.0)
         cfg = dict(kernel=True)
     if case == "ignore_eos":  # the grammar's own end (a stop token it accepted) stops the row
         kw = dict(ignore_eos=True)
@@ -69,6 +71,42 @@ def test_async_equals_sync(case):
     assert (len(in_kernels) > 10 and all(in_kernels)) if "kernel" in case else not any(in_kernels)
     for so, out in zip(constraints(), got[2:]):
         assert out[0][1] in ("stop", "length")
+
+
+def test_a_stop_token_the_grammar_accepts_in_an_unchanged_batch_ends_the_request(monkeypatch):
+    """With ignore_eos, a constrained row that samples EOS where its grammar may end but could
+    also go on has a matcher that accepted a stop token: the request finishes ("stop"), as in
+    the synchronous engine, though the batch is the same as the step before (where the rows'
+    matchers are reused). The sampler is made to pick EOS, once the row has a few tokens, wherever
+    the mask allows it."""
+    params = [SamplingParams(temperature=0, max_tokens=30),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                             structured_outputs=SO(regex="[a-z ]+"))]
+
+    def run(async_scheduling):
+        llm = LLM("stories260K", block_size=8, seed=1, device="cpu",
+                  async_scheduling=async_scheduling)
+        sampler, eos = llm.engine.sampler, llm.engine.tokenizer.eos_token_id
+        sample = sampler.sample
+
+        def eos_when_allowed(logits, seqs):
+            logits = logits.clone()
+            for i, seq in enumerate(seqs):
+                if (seq.sampling_params.structured_outputs is not None
+                        and seq.num_output_tokens >= 4 and logits[i, eos] > float("-inf")):
+                    logits[i, eos] = 1e4
+            return sample(logits, seqs)
+        monkeypatch.setattr(sampler, "sample", eos_when_allowed)
+        outs = llm.generate(["Once upon a time", "The cat"], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+    ref = run(False)
+    assert ref[1][1] == "stop" and len(ref[1][0]) == 5  # four letters, then EOS accepted
+    fast = []
+    same_batch = BackgroundFill._advance_same_batch
+    monkeypatch.setattr(BackgroundFill, "_advance_same_batch",
+                        lambda self, *a: fast.append(1) or same_batch(self, *a))
+    assert run(True) == ref
+    assert fast  # the rows were reused on the steps before
 
 
 def test_masks_are_filled_off_the_main_thread_after_the_next_step_is_scheduled(monkeypatch):
@@ -175,10 +213,12 @@ def reference():
     return _run_requests(LLM("stories260K", block_size=8, seed=1, device="cpu").engine)
 
 
-@pytest.mark.parametrize("where", ["sampler", "matcher"])
+@IGNORE_INTERPRETER_WARNINGS
+@pytest.mark.parametrize("where", ["sampler", "sampler's kernels", "matcher"])
 def test_a_fault_in_a_deferred_step_fails_its_request_alone(reference, monkeypatch, where):
     eng = LLM("stories260K", block_size=8, seed=1, device="cpu", async_scheduling=True).engine
-    if where == "sampler":
+    if where.startswith("sampler"):
+        eng.sampler.use_kernel = where == "sampler's kernels"  # masks inside the kernels
         monkeypatch.setattr(eng, "sampler", FaultySampler(eng.sampler, "culprit"))
     else:  # its matcher raises as it accepts the 3rd token (the fill's start)
         mgr = eng.structured_output
@@ -195,8 +235,57 @@ def test_a_fault_in_a_deferred_step_fails_its_request_alone(reference, monkeypat
     assert bad.outputs[0].finish_reason == "error" and "injected" in bad.error
     # the sampler raises for its 3rd token; the matcher raises as it accepts the 3rd token,
     # read with the step before and appended before that step's error is
-    kept = 2 if where == "sampler" else 3
+    kept = 3 if where == "matcher" else 2
     assert bad.outputs[0].token_ids == reference["culprit"].outputs[0].token_ids[:kept]
     for rid, o in outs.items():
         assert o.outputs[0].token_ids == reference[rid].outputs[0].token_ids
     assert eng.async_scheduling.pending is None and not eng.has_unfinished_requests()
+
+
+def test_a_worker_that_raises_anything_fails_that_fill_and_the_engine_goes_on(monkeypatch):
+    """Even a BaseException (SystemExit here) in the worker's fill ends only the rows of that
+    fill: the worker thread lives on, so later steps do not wait for it for ever."""
+    calls = []
+    fill = background._fill
+
+    def exits_once(mgr, job):
+        calls.append(1)
+        if len(calls) == 3:
+            raise SystemExit("injected")
+        return fill(mgr, job)
+    monkeypatch.setattr(background, "_fill", exits_once)
+    eng = LLM("stories260K", block_size=8, seed=1, device="cpu", async_scheduling=True).engine
+    sp = SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(regex=REGEX))
+    first = run(eng, {"first": ("Tom had a big red ball", sp)})["first"]
+    assert first.outputs[0].finish_reason == "error" and "injected" in first.error
+    again = run(eng, {"again": ("Tom had a big red ball", sp)})["again"]
+    (ref,) = LLM("stories260K", block_size=8, seed=1, device="cpu").generate(
+        ["Tom had a big red ball"], sp, use_tqdm=False)
+    assert again.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert eng.block_manager.num_free_blocks == eng.num_blocks
+
+
+def test_a_dropped_engine_is_freed_and_its_grammar_worker_ends():
+    """The CUDA engine freezes the heap (tests/test_engine.py says why): an engine that ran
+    constrained steps under async scheduling must go away by reference counting alone, and its
+    worker thread with it."""
+    import gc
+    import weakref
+
+    from minipaged.worker.gpu_model_runner import freeze_gc_heap
+    llm = LLM("stories260K", block_size=8, seed=1, device="cpu", async_scheduling=True)
+    llm.generate(["Tom had a big red ball"], SamplingParams(
+        temperature=0, max_tokens=20, structured_outputs=SO(regex=REGEX)), use_tqdm=False)
+    thread = llm.engine.async_scheduling.fill._thread
+    refs = [weakref.ref(o) for o in (llm.engine, llm.engine.structured_output,
+                                     llm.engine.async_scheduling.fill)]
+    gc.disable()
+    try:
+        freeze_gc_heap()
+        del llm
+        assert [r() is None for r in refs] == [True] * len(refs)
+    finally:
+        gc.unfreeze()
+        gc.enable()
+    thread.join(5.0)
+    assert not thread.is_alive()

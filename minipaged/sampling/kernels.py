@@ -1,4 +1,4 @@
-"""Two small Triton kernels for the sampler's common case on the GPU: temperature sampling.
+"""Small Triton kernels for the sampler's common case on the GPU: temperature sampling.
 
 Lesson 04 draws the sampler's stages with torch ops, one pass over the (rows, vocab) logits
 each: divide by the temperature, softmax, draw Exp(1) noise, divide, argmax. For Qwen3's vocabulary
@@ -33,11 +33,14 @@ The sampler uses these only when every row is greedy or unseeded with no top-k/t
 (tokens banned by min_tokens are -inf logits, which never win); everything else takes the torch
 path of `sampler.py`.
 
-Grammar masks (lesson 12) ride along: given a `TokenMask`, both kernels read each masked row's
+Grammar masks (lesson 12; async scheduling's constrained steps, `Sampler.sample_masked`) ride
+along: given a `TokenMask`, both kernels read each masked row's
 bitmask words (bit t % 32 of word t // 32: token t allowed, xgrammar's layout) beside its logits
 and treat forbidden tokens as -inf, so a constrained step costs no extra pass over the logits.
 They also report, per row, whether the mask allows any token that is not a stop token: a row
-whose grammar has ended allows stop tokens only (structured_output/background.py).
+whose grammar has ended allows stop tokens only (structured_output/background.py). A step whose
+rows are all greedy takes a third kernel instead, `masked_argmax_kernel`: one program per row
+walks its vocabulary once, so the step costs one launch.
 """
 from __future__ import annotations
 
@@ -204,6 +207,8 @@ def masked_argmax(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
     if rows == 0:
         return out
     bitmask, masked, keep = mask
+    assert bitmask.shape[0] >= rows and bitmask.shape[1] * 32 >= vocab, bitmask.shape
+    assert bitmask.stride(1) == 1 and keep.shape[0] >= bitmask.shape[1]
     interpret = logits.device.type == "cpu"
     masked_argmax_kernel[(rows,)](
         logits, bitmask, masked, keep, out, logits.stride(0), bitmask.stride(0), vocab,
@@ -245,6 +250,7 @@ def gumbel_sample(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int
     else:
         bitmask, masked, keep = mask
         assert bitmask.shape[0] >= rows and bitmask.shape[1] * 32 >= vocab, bitmask.shape
+        assert bitmask.stride(1) == 1 and keep.shape[0] >= bitmask.shape[1]
         opened = torch.empty((rows, num_chunks), dtype=torch.int32, device=logits.device)
         stride_mask = bitmask.stride(0)
     chunk_stats_kernel[(rows, num_chunks)](

@@ -93,8 +93,8 @@ def _worker(jobs: "queue.SimpleQueue[Optional[tuple]]") -> None:
             job.begun.release()
             if job.rows:
                 _fill(mgr, job)
-        except Exception as exc:  # the job's rows fail (alone); the thread goes on
-            job.failure = exc
+        except BaseException as exc:  # noqa: BLE001 (the job's rows fail, alone; the thread
+            job.failure = exc  # goes on: a start() waiting for it would wait for ever)
         finally:
             if not job.started:
                 job.begun.release()
@@ -104,7 +104,7 @@ def _worker(jobs: "queue.SimpleQueue[Optional[tuple]]") -> None:
 
 def _fill(mgr, job: FillJob) -> None:
     try:
-        # (rows, ceil(vocab / 32)) int32: bit t of row i = token t allowed
+        # (rows, ceil(vocab / 32)) int32: bit t % 32 of word t // 32 of row i = token t allowed
         mgr._batch.batch_fill_next_token_bitmask(job.matchers, mgr._bitmask, indices=job.rows)
     except Exception:  # find the row: one at a time
         rows, job.rows = job.rows, []
@@ -120,22 +120,28 @@ class BackgroundFill:
     def __init__(self, manager):
         self.manager = manager  # StructuredOutputManager: matchers and host buffers
         self._jobs: Optional[queue.SimpleQueue] = None
+        self._thread: Optional[threading.Thread] = None
         self._last: Optional[FillJob] = None
         self._plan: Optional[_Plan] = None
 
-    def start(self, seqs: Seq[Sequence], pin: bool, just_read=None) -> FillJob:
+    def start(self, seqs: Seq[Sequence], pin: bool,
+              just_read: Optional[tuple] = None) -> FillJob:
         """Main thread: advance each constrained, unfinished row's matcher by the tokens it has
-        not accepted yet, find the grammars that ended, and start the worker on the other rows'
-        fill. Row i of the bitmask is `seqs[i]`. `just_read`: (a step, its tokens), read but not
-        appended yet: each sequence's token there is about to be appended, so it is accepted
-        too (a sequence that stops meanwhile has its row filled in vain). Returns the job."""
+        not accepted yet, find the grammars that accepted a stop token (the sampling kernels
+        find the others, whose masks allow stop tokens only), and start the worker on the other
+        rows' fill. Row i of the bitmask is `seqs[i]`. `just_read`: (a PendingStep, its tokens),
+        read but not appended yet: each sequence's token there is about to be appended, so it is
+        accepted too (a sequence that stops meanwhile has its row filled in vain). Returns the
+        job."""
         self.wait()
         mgr = self.manager
-        if self._jobs is None:
-            self._jobs = queue.SimpleQueue()
-            threading.Thread(target=_worker, args=(self._jobs,), daemon=True,
-                             name="minipaged-grammar").start()
-            weakref.finalize(self, self._jobs.put, None)  # the thread ends with this object
+        if self._thread is None or not self._thread.is_alive():
+            jobs = queue.SimpleQueue()
+            thread = threading.Thread(target=_worker, args=(jobs,), daemon=True,
+                                      name="minipaged-grammar")
+            thread.start()
+            self._jobs, self._thread = jobs, thread
+            weakref.finalize(self, jobs.put, None)  # the thread ends with this object
         job = self._last = FillJob()
         self._jobs.put((mgr, job))  # the worker wakes up while the lists are made
         try:
@@ -146,13 +152,19 @@ class BackgroundFill:
             else:
                 self._advance(seqs, just_read, job)
             if job.rows:
-                mgr.prepare_buffers(len(seqs), pin)
+                try:
+                    mgr.prepare_buffers(len(seqs), pin)
+                except Exception as exc:  # no buffers: the rows fail, each request alone
+                    job.errors += [(seqs[i], exc) for i in job.rows]
+                    job.rows, self._plan = [], None
         finally:
             job.ready.release()
         # The worker needs the GIL to begin, and the main thread's pure-Python work that follows
         # (appending tokens, scheduling) would not give it up for milliseconds: wait (GIL
         # released) until the worker is about to enter the fill, which then releases it.
-        job.begun.acquire()
+        while not job.begun.acquire(timeout=1.0):
+            if not self._thread.is_alive():  # (it cannot end while it has jobs: a safeguard)
+                raise RuntimeError("the grammar worker thread has ended")
         return job
 
     def _advance_same_batch(self, seqs: Seq[Sequence], plan: _Plan, tokens: list[int],

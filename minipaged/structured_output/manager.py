@@ -26,7 +26,8 @@ goes to the GPU with a non-blocking copy, queued behind the forward, as are the 
 the sampler; the next fill waits for that copy only (an event), never for the GPU's other work.
 
 Matchers are kept beside the sequences, not in them, keyed by the `Sequence` object (weakly, so a
-finished sequence's matcher goes with it), and each remembers how many of its sequence's output
+finished sequence's matcher goes with it; async scheduling keeps the last batch's for its next
+step, background.py), and each remembers how many of its sequence's output
 tokens it has accepted. Before a mask is filled the matcher catches up with
 `seq.output_token_ids`; so a sample forked from its prompt (n > 1) gets its own matcher, and a
 sequence preempted by recompute (its tokens kept, its K/V rebuilt) keeps a matcher that is still
@@ -230,8 +231,9 @@ class StructuredOutputManager:
     def accept(self, seq: Sequence) -> Optional[SequenceStatus]:
         """Advance `seq`'s matcher over its new tokens; FINISHED_STOPPED once the grammar has
         ended (it accepted a stop token, or nothing but one can follow). Under async scheduling
-        (`advance_on_fill`) this does nothing: the matchers advance on a worker thread just
-        before the next fill, which finds the grammar's end (background.py)."""
+        (`advance_on_fill`) this does nothing: the matchers advance just before the next fill is
+        handed to the worker, and the grammar's end is found there or by the sampling kernels
+        (background.py)."""
         if self.advance_on_fill:
             return None
         return SequenceStatus.FINISHED_STOPPED if self.has_ended(self._state(seq)) else None

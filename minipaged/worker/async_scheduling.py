@@ -254,15 +254,16 @@ class AsyncScheduling:
         logits, seqs = step.logits, step.seqs
         step.logits = step.fill = None
         generators = failures.save_generators(seqs)
-        mask = mgr.token_mask(rows, len(seqs), logits.device) if rows else None
         try:
+            mask = mgr.token_mask(rows, len(seqs), logits.device) if rows else None
             out = None if mask is None else eng.sampler.sample_masked(logits, seqs, mask)
             if out is None:
                 tokens = eng.sampler.sample(mgr.apply_bitmask(logits, rows), seqs)
                 out = tokens if mask is None else torch.stack((tokens, ended_rows(mask)))
         except Exception:
-            if mask is not None:  # the rows the kernels would have flagged
-                step.ended += [seqs[i] for i in ended_rows(mask).nonzero().flatten().tolist()]
+            if rows:  # the rows the kernels would have flagged (from the host's bitmask)
+                ended = ended_rows(mgr.token_mask(rows, len(seqs), torch.device("cpu")))
+                step.ended += [seqs[i] for i in ended.nonzero().flatten().tolist()]
             skip = {id(s) for s in step.ended} | {id(s) for s, _ in step.errors}
             keep = [i for i, s in enumerate(seqs) if id(s) not in skip]
 
