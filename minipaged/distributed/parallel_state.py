@@ -89,10 +89,10 @@ def init_groups(rank: int, world_size: int, cuda: bool,
     return TPGroup(rank, world_size, device_group, cpu_group, backend)
 
 
-def shutdown_barrier(cpu_group) -> bool:
+def shutdown_barrier(cpu_group) -> None:
     """Every rank calls this after the STOP header, before destroying any group: the driver
-    right after sending it, each worker right after receiving it. False (and a warning) if a
-    peer did not arrive within SHUTDOWN_TIMEOUT (it died or hangs): shutdown goes on without it.
+    right after sending it, each worker right after receiving it. A peer that does not arrive
+    within SHUTDOWN_TIMEOUT (it died or hangs) gets a warning: shutdown goes on without it.
 
     Why wait at all: a finished collective's tensor is released by one of gloo's C++ threads,
     a moment after the caller's wait() returned, and releasing a tensor made in Python takes
@@ -103,10 +103,8 @@ def shutdown_barrier(cpu_group) -> bool:
     finish; and no rank tears down its sockets while another still uses them."""
     try:  # gloo only (the cpu group is); its error names the ranks that did not arrive
         dist.monitored_barrier(group=cpu_group, timeout=SHUTDOWN_TIMEOUT)
-        return True
     except RuntimeError as exc:
         logger.warning("tensor-parallel shutdown: %s", str(exc).splitlines()[0])
-        return False
 
 
 def destroy_groups(tp: Optional[TPGroup] = None) -> None:

@@ -196,6 +196,14 @@ def masked_argmax_kernel(
     tl.store(out_ptr + tl.num_programs(0) + row, (opened == 0).to(tl.int64))
 
 
+def _checked(mask: TokenMask, rows: int, vocab: int) -> TokenMask:
+    """`mask`, once it is known to cover `rows` x `vocab` (the kernels index it unchecked)."""
+    bitmask, _, keep = mask
+    assert bitmask.shape[0] >= rows and bitmask.shape[1] * 32 >= vocab, bitmask.shape
+    assert bitmask.stride(1) == 1 and keep.shape[0] >= bitmask.shape[1]
+    return mask
+
+
 def masked_argmax(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
     """What `gumbel_sample(logits, zeros, seed, mask=mask)` returns for all-greedy rows, in one
     launch: (2, rows) int64, the first maximum among each row's allowed tokens, then 1 for each
@@ -206,9 +214,7 @@ def masked_argmax(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
     out = torch.empty((2, rows), dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    bitmask, masked, keep = mask
-    assert bitmask.shape[0] >= rows and bitmask.shape[1] * 32 >= vocab, bitmask.shape
-    assert bitmask.stride(1) == 1 and keep.shape[0] >= bitmask.shape[1]
+    bitmask, masked, keep = _checked(mask, rows, vocab)
     interpret = logits.device.type == "cpu"
     masked_argmax_kernel[(rows,)](
         logits, bitmask, masked, keep, out, logits.stride(0), bitmask.stride(0), vocab,
@@ -248,9 +254,7 @@ def gumbel_sample(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int
         bitmask = masked = keep = opened = lse  # not read (HAS_MASK=False)
         stride_mask = 0
     else:
-        bitmask, masked, keep = mask
-        assert bitmask.shape[0] >= rows and bitmask.shape[1] * 32 >= vocab, bitmask.shape
-        assert bitmask.stride(1) == 1 and keep.shape[0] >= bitmask.shape[1]
+        bitmask, masked, keep = _checked(mask, rows, vocab)
         opened = torch.empty((rows, num_chunks), dtype=torch.int32, device=logits.device)
         stride_mask = bitmask.stride(0)
     chunk_stats_kernel[(rows, num_chunks)](

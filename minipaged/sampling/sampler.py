@@ -69,6 +69,12 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def _inv_temperature(params: list[SamplingParams], device: torch.device) -> torch.Tensor:
+    """(rows,) fp32 on `device`: 1 / T per row, 0 for greedy rows (the kernels' argument)."""
+    return to_device([0.0 if p.greedy else 1.0 / p.temperature for p in params], device,
+                     torch.float32)
+
+
 class Sampler:
     """Turns one step's last-token logits into next tokens for every sampled sequence."""
 
@@ -129,8 +135,7 @@ class Sampler:
             return logits.max(dim=-1).indices
         if kernel:  # banned tokens (-inf) never win there either
             from minipaged.sampling.kernels import gumbel_sample
-            inv_t = to_device([0.0 if p.greedy else 1.0 / p.temperature for p in params],
-                              logits.device, torch.float32)
+            inv_t = _inv_temperature(params, logits.device)
             seed = int(torch.randint(2**31 - 1, (1,), generator=self._host_generator))
             return gumbel_sample(logits, inv_t, seed)
         return self._sample(logits, seqs)
@@ -166,8 +171,7 @@ class Sampler:
                   and not any(s.num_output_tokens < s.sampling_params.min_tokens for s in seqs))
         inv_t = None
         if kernel and not all(p.greedy for p in params):
-            inv_t = to_device([0.0 if p.greedy else 1.0 / p.temperature for p in params],
-                              logits.device, torch.float32)
+            inv_t = _inv_temperature(params, logits.device)
         self._last_rows = (list(seqs), kernel, inv_t)
         return kernel, inv_t
 

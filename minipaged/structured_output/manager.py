@@ -214,19 +214,25 @@ class StructuredOutputManager:
             flags[rows] = 1
             masked = self._masked[:num_rows].to(device, non_blocking=True)
             self._last_masked = (rows, num_rows, masked)
-        keep = self._keep.get(device)
-        if keep is None:
-            words = torch.full((self._bitmask.shape[1],), -1, dtype=torch.int64)
-            for t in self.eos_token_ids:
-                if 0 <= t < self.vocab_size:
-                    words[t // 32] &= ~(1 << (t % 32))
-            keep = self._keep[device] = words.to(torch.int32).to(device)
-        mask = TokenMask(self._bitmask[:num_rows].to(device, non_blocking=True), masked, keep)
+        mask = TokenMask(self._bitmask[:num_rows].to(device, non_blocking=True), masked,
+                         self.keep_words(device))
         if device.type == "cuda":
             if self._copied is None:
                 self._copied = torch.cuda.Event()
             self._copied.record()  # (re-recorded: synchronize waits for the latest copy)
         return mask
+
+    def keep_words(self, device: torch.device) -> torch.Tensor:
+        """(ceil(vocab / 32),) int32 on `device`: every token's bit set but the stop tokens'. A
+        mask row AND these words is zero exactly when the row allows stop tokens only."""
+        keep = self._keep.get(device)
+        if keep is None:
+            words = torch.full(((self.vocab_size + 31) // 32,), -1, dtype=torch.int64)
+            for t in self.eos_token_ids:
+                if 0 <= t < self.vocab_size:
+                    words[t // 32] &= ~(1 << (t % 32))
+            keep = self._keep[device] = words.to(torch.int32).to(device)  # (wraps to int32)
+        return keep
 
     def accept(self, seq: Sequence) -> Optional[SequenceStatus]:
         """Advance `seq`'s matcher over its new tokens; FINISHED_STOPPED once the grammar has
@@ -267,10 +273,5 @@ def _only_stop_tokens(mgr: StructuredOutputManager, matcher) -> bool:
     import xgrammar as xgr
     if mgr._one_row is None:
         mgr._one_row = xgr.allocate_token_bitmask(1, mgr.vocab_size)
-    mask = mgr._one_row
-    matcher.fill_next_token_bitmask(mask, 0)
-    words = mask[0].to(torch.int64) & 0xFFFFFFFF  # the int32 words as unsigned
-    for t in mgr.eos_token_ids:
-        if 0 <= t < mgr.vocab_size:
-            words[t // 32] &= ~(1 << (t % 32))
-    return not bool(words.any())
+    matcher.fill_next_token_bitmask(mgr._one_row, 0)
+    return not bool((mgr._one_row[0] & mgr.keep_words(torch.device("cpu"))).any())
