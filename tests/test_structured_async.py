@@ -7,8 +7,9 @@ import pytest
 
 from minipaged import LLM, SamplingParams
 from minipaged.structured_output import StructuredOutputsParams as SO
-from minipaged.structured_output import background
+from minipaged.structured_output import background, batch_calls
 from minipaged.structured_output.background import BackgroundFill
+from minipaged.structured_output.batch_calls import BatchCalls
 from tests.helpers import IGNORE_INTERPRETER_WARNINGS
 from tests.test_failures import run
 from tests.test_structured_output import CHOICES, PERSON, PROMPTS, REGEX, check_valid, constraints
@@ -44,9 +45,12 @@ def _run(async_scheduling, params, kernel=False, **cfg):
 
 @IGNORE_INTERPRETER_WARNINGS
 @pytest.mark.parametrize("case", ["greedy", "ignore_eos", "sampled", "n=2", "preempted",
-                                  "kernel greedy", "kernel sampled"])
-def test_async_equals_sync(case):
+                                  "kernel greedy", "kernel sampled", "public batch calls"])
+def test_async_equals_sync(case, monkeypatch):
     kw, cfg = {}, {}
+    if case == "public batch calls":  # xgrammar's public batched methods (batch_calls.py)
+        monkeypatch.setattr(batch_calls, "_BATCH", None)
+        kw = dict(temperature=1.0)
     if case.startswith("kernel"):  # unseeded rows: the kernels' own draw
         kw = dict(seeded=False, max_tokens=50,  # sampled: greedy and two temperatures mixed
                   temperature=[1.0, 0.0, 0.7] if case.endswith("sampled") else 0.0)
@@ -213,14 +217,55 @@ def reference():
     return _run_requests(LLM("stories260K", block_size=8, seed=1, device="cpu").engine)
 
 
+def _faulty_batch(monkeypatch, refuse):
+    """The batched accept (batch_calls.py) of a batch holding the culprit's row as it accepts
+    its 3rd token: with `refuse`, xgrammar refuses that token (the other rows accept theirs);
+    else the call raises after half the rows' matchers have moved, as a C++ error midway would
+    leave them."""
+    accept = BatchCalls.accept
+
+    def faulty(self, tokens):
+        culprit = [k for k, m in enumerate(self.matchers)
+                   if isinstance(m, FaultyMatcher) and m.seq.num_output_tokens == 2]
+        if not culprit:
+            return accept(self, tokens)
+        if refuse:
+            others = [k for k in range(len(tokens)) if k not in culprit]
+            part = BatchCalls([self.matchers[k] for k in others])
+            assert not accept(part, [tokens[k] for k in others])
+            return culprit
+        half = len(tokens) // 2
+        accept(BatchCalls(self.matchers[:half]), tokens[:half])
+        raise RuntimeError("injected grammar fault")
+    monkeypatch.setattr(BatchCalls, "accept", faulty)
+    if refuse:
+        return
+    start, checked = BackgroundFill.start, []
+
+    def replayed(self, *args, **kwargs):  # each kept matcher is in its tokens' state
+        import xgrammar as xgr
+        mgr, plan = self.manager, self._plan
+        for i, st in zip(plan.rows, plan.states) if plan is not None else ():
+            fresh = xgr.GrammarMatcher(st.compiled, override_stop_tokens=mgr.eos_token_ids)
+            assert all(fresh.accept_token(t) for t in plan.seqs[i].output_token_ids[
+                :st.num_accepted])
+            assert (st.matcher._debug_print_internal_state()
+                    == fresh._debug_print_internal_state())
+            checked.append(i)
+        return start(self, *args, **kwargs)
+    monkeypatch.setattr(BackgroundFill, "start", replayed)
+    return checked
+
+
 @IGNORE_INTERPRETER_WARNINGS
-@pytest.mark.parametrize("where", ["sampler", "sampler's kernels", "matcher"])
+@pytest.mark.parametrize("where", ["sampler", "sampler's kernels", "matcher",
+                                   "batched accept raises", "batched accept refuses"])
 def test_a_fault_in_a_deferred_step_fails_its_request_alone(reference, monkeypatch, where):
     eng = LLM("stories260K", block_size=8, seed=1, device="cpu", async_scheduling=True).engine
     if where.startswith("sampler"):
         eng.sampler.use_kernel = where == "sampler's kernels"  # masks inside the kernels
         monkeypatch.setattr(eng, "sampler", FaultySampler(eng.sampler, "culprit"))
-    else:  # its matcher raises as it accepts the 3rd token (the fill's start)
+    else:  # its matcher raises (or refuses) as it accepts the 3rd token (the fill's start)
         mgr = eng.structured_output
         matcher_of = mgr.matcher_of
 
@@ -230,16 +275,29 @@ def test_a_fault_in_a_deferred_step_fails_its_request_alone(reference, monkeypat
                 st.matcher = FaultyMatcher(st.matcher, seq)
             return st
         monkeypatch.setattr(mgr, "matcher_of", faulty)
+        if where.startswith("batched"):  # the batch is the same as the step before's
+            checked = _faulty_batch(monkeypatch, refuse=where.endswith("refuses"))
+        else:  # each matcher accepting its tokens one by one (as a row that is behind does)
+            advance = BackgroundFill._advance
+            monkeypatch.setattr(BackgroundFill, "_advance_same_batch",
+                                lambda self, seqs, plan, just_read, job:
+                                advance(self, seqs, just_read, job, batched=False))
+            monkeypatch.setattr(BackgroundFill, "_advance",
+                                lambda self, seqs, just_read, job, batched=True:
+                                advance(self, seqs, just_read, job, batched=False))
     outs = _run_requests(eng)
     bad = outs.pop("culprit")
-    assert bad.outputs[0].finish_reason == "error" and "injected" in bad.error
+    assert bad.outputs[0].finish_reason == "error"
+    assert ("does not allow token" if where.endswith("refuses") else "injected") in bad.error
     # the sampler raises for its 3rd token; the matcher raises as it accepts the 3rd token,
     # read with the step before and appended before that step's error is
-    kept = 3 if where == "matcher" else 2
+    kept = 2 if where.startswith("sampler") else 3
     assert bad.outputs[0].token_ids == reference["culprit"].outputs[0].token_ids[:kept]
     for rid, o in outs.items():
         assert o.outputs[0].token_ids == reference[rid].outputs[0].token_ids
     assert eng.async_scheduling.pending is None and not eng.has_unfinished_requests()
+    if where == "batched accept raises":  # the other rows' matchers were made again
+        assert len(checked) > 10
 
 
 def test_a_worker_that_raises_anything_fails_that_fill_and_the_engine_goes_on(monkeypatch):

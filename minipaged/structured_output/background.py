@@ -7,9 +7,9 @@ vocabulary) would put that work into every step of a host that is already the bo
 small batches. So the fill moves to one worker thread, and the step's sampling waits until the
 next step needs its tokens:
 
-    step t     launch forward t; read tokens t-1; advance each row's matcher by its token
-               (about a microsecond per row, in C++); start the worker; append tokens t-1
-               (stop checks, outputs)
+    step t     launch forward t; read tokens t-1; advance the rows' matchers by their tokens
+               (one batched call into xgrammar's C++, batch_calls.py: a few microseconds per
+               row); start the worker; append tokens t-1 (stop checks, outputs)
     worker       fill the rows' bitmasks: one call, on xgrammar's C++ threads, the GIL
                  released (Python code on the worker would wait for the main thread's GIL)
     step t+1   schedule t+1 and build its inputs (the worker runs meanwhile); wait for the
@@ -24,7 +24,11 @@ synchronous step's.
 
 While the batch stays the same from one step to the next (the common case: no request joined,
 finished or was preempted), the rows, their matchers and the lists handed to the worker are
-those of the last step (`_Plan`), and advancing them is one call per row. The main thread
+those of the last step (`_Plan`), and advancing them is the one batched call. When the batch
+has changed, the rows whose matcher lacks only the token just read still share one batched
+call; new rows and rows that are behind (a synchronous step came between) accept their tokens
+one by one. A batched call that raises may have moved some matchers: theirs are made again from
+their tokens, one row at a time, so the row at fault fails alone. The main thread
 touches no matcher and no bitmask buffer while the worker runs: every path that does waits for
 it first (`wait`, or the job that `start` returns).
 """
@@ -36,6 +40,7 @@ import weakref
 from typing import NamedTuple, Optional, Sequence as Seq
 
 from minipaged.engine.sequence import Sequence
+from minipaged.structured_output.batch_calls import BatchCalls
 from minipaged.structured_output.manager import rejected_token
 
 
@@ -50,8 +55,7 @@ class _Plan(NamedTuple):
     seqs: list[Sequence]  # the step's rows (the list the step was built with)
     rows: list[int]  # rows of `seqs` to fill
     states: list  # their manager._Matcher (matcher, num_accepted), caught up with the rows
-    matchers: list  # their xgrammar matchers, the worker's argument
-    accepts: list  # their matchers' accept_token
+    calls: BatchCalls  # their matchers' batched accept and fill (the worker's argument)
 
 
 class FillJob:
@@ -65,7 +69,8 @@ class FillJob:
         for lock in (self.ready, self.begun, self.done):
             lock.acquire()
         self.rows: list[int] = []
-        self.matchers: list = []
+        self.matchers: list = []  # the rows' xgrammar matchers, made into `calls` by start()
+        self.calls: Optional[BatchCalls] = None
         self.states: list = []
         self.seqs: list[Sequence] = []  # by row: the sequence (for a fill that raises)
         self.ended: list[Sequence] = []
@@ -105,7 +110,7 @@ def _worker(jobs: "queue.SimpleQueue[Optional[tuple]]") -> None:
 def _fill(mgr, job: FillJob) -> None:
     try:
         # (rows, ceil(vocab / 32)) int32: bit t % 32 of word t // 32 of row i = token t allowed
-        mgr._batch.batch_fill_next_token_bitmask(job.matchers, mgr._bitmask, indices=job.rows)
+        job.calls.fill(mgr._batch, mgr._bitmask, job.rows)
     except Exception:  # find the row: one at a time
         rows, job.rows = job.rows, []
         for i, st in zip(rows, job.states):
@@ -145,18 +150,22 @@ class BackgroundFill:
         job = self._last = FillJob()
         self._jobs.put((mgr, job))  # the worker wakes up while the lists are made
         try:
-            plan = self._plan
+            plan, self._plan = self._plan, None
             if (plan is not None and just_read is not None and just_read[0].seqs is plan.seqs
                     and seqs == plan.seqs and mgr.stop_ids.isdisjoint(just_read[1])):
-                self._advance_same_batch(seqs, plan, just_read[1], job)
+                keep = self._advance_same_batch(seqs, plan, just_read, job)
             else:
-                self._advance(seqs, just_read, job)
+                keep = self._advance(seqs, just_read, job)
             if job.rows:
                 try:
                     mgr.prepare_buffers(len(seqs), pin)
+                    if job.calls is None:  # (the same batch's are the plan's)
+                        job.calls = BatchCalls(job.matchers)
                 except Exception as exc:  # no buffers: the rows fail, each request alone
                     job.errors += [(seqs[i], exc) for i in job.rows]
-                    job.rows, self._plan = [], None
+                    job.rows, keep = [], False
+            if keep and job.rows:  # for the next step, if its rows are these
+                self._plan = _Plan(seqs, job.rows, job.states, job.calls)
         finally:
             job.ready.release()
         # The worker needs the GIL to begin, and the main thread's pure-Python work that follows
@@ -167,61 +176,105 @@ class BackgroundFill:
                 raise RuntimeError("the grammar worker thread has ended")
         return job
 
-    def _advance_same_batch(self, seqs: Seq[Sequence], plan: _Plan, tokens: list[int],
-                            job: FillJob) -> None:
-        """The rows are the last step's, each matcher caught up but for its token in `tokens`."""
-        job.seqs = seqs
-        failed = False
-        for i, st, accept in zip(plan.rows, plan.states, plan.accepts):
-            try:
-                if not accept(tokens[i]):
-                    raise rejected_token(seqs[i], tokens[i], st.num_accepted)
-                st.num_accepted += 1
-            except Exception as exc:  # this request's grammar: it fails alone
-                job.errors.append((seqs[i], exc))
-                failed = True
-        if not failed:
-            job.rows, job.matchers, job.states = plan.rows, plan.matchers, plan.states
-            self._plan = plan._replace(seqs=seqs)
-            return
-        bad = {id(seq) for seq, _ in job.errors}
-        for i, st in zip(plan.rows, plan.states):
-            if id(seqs[i]) not in bad:
-                job.rows.append(i)
-                job.states.append(st)
-                job.matchers.append(st.matcher)
-        self._plan = None
+    def _advance_same_batch(self, seqs: Seq[Sequence], plan: _Plan, just_read: tuple,
+                            job: FillJob) -> bool:
+        """The rows are the last step's, each matcher caught up but for its token in
+        `just_read`: one batched accept. True if the rows stay as they were (all accepted)."""
+        job.seqs, tokens = seqs, just_read[1]
+        done = self._accept_batched(seqs, plan.rows, plan.states, plan.calls,
+                                    [tokens[i] for i in plan.rows], job)
+        if done:
+            job.rows, job.states, job.calls = plan.rows, plan.states, plan.calls
+            return True
+        if done is None:  # it raised: the rows' matchers made again, one row at a time
+            return self._advance(seqs, just_read, job, batched=False)
+        return False
 
-    def _advance(self, seqs: Seq[Sequence], just_read, job: FillJob) -> None:
-        """Any batch: each row's matcher found (or made) and caught up with its tokens."""
+    def _advance(self, seqs: Seq[Sequence], just_read, job: FillJob,
+                 batched: bool = True) -> bool:
+        """Any batch: each row's matcher found (or made) and caught up with its tokens. Rows
+        whose matcher lacks only their token in `just_read`, not a stop token, accept it in one
+        batched call (if `batched`); the others (new rows, rows behind) one token at a time.
+        True if no grammar ended or raised (the rows can be kept for the next step)."""
         mgr = self.manager
         row_of, tokens = ({}, None) if just_read is None else (just_read[0].row_of,
                                                                 just_read[1])
         job.seqs = seqs
+        rows, states, picked = [], [], []  # for the batched accept
         for i, seq in enumerate(seqs):
             if seq.sampling_params.structured_outputs is None or seq.is_finished:
                 continue
             try:
                 st = mgr.matcher_of(seq)
-                new = seq.output_token_ids[st.num_accepted:]
                 j = row_of.get(seq.seq_id)
-                if j is not None:
-                    new = new + [tokens[j]]
-                for token in new:
-                    if not st.matcher.accept_token(token):
-                        raise rejected_token(seq, token, st.num_accepted)
-                    st.num_accepted += 1
-                if st.matcher.is_terminated():  # it accepted a stop token
-                    job.ended.append(seq)
-                    continue
+                token = None if j is None else tokens[j]
+                if (batched and token is not None and token not in mgr.stop_ids
+                        and st.num_accepted == len(seq.output_token_ids)):
+                    rows.append(i)
+                    states.append(st)
+                    picked.append(token)
+                else:
+                    self._catch_up(seqs, i, st, token, job)
+            except Exception as exc:  # this request's grammar: it fails alone
+                job.errors.append((seq, exc))
+        if rows:
+            done = self._accept_batched(seqs, rows, states,
+                                        BatchCalls([st.matcher for st in states]), picked, job)
+            if done:
+                job.rows += rows
+                job.states += states
+                job.matchers += [st.matcher for st in states]
+            elif done is None:  # it raised: those rows' matchers made again, one at a time
+                for i, token in zip(rows, picked):
+                    try:
+                        self._catch_up(seqs, i, mgr.matcher_of(seqs[i]), token, job)
+                    except Exception as exc:  # this request's grammar: it fails alone
+                        job.errors.append((seqs[i], exc))
+        return not job.ended and not job.errors
+
+    def _catch_up(self, seqs: Seq[Sequence], i: int, st, token: Optional[int],
+                  job: FillJob) -> None:
+        """Row i's matcher accepts, one by one, its sequence's tokens it has not accepted, then
+        `token` (read, not appended yet) if any; then ends the row or adds it to the fill."""
+        seq = seqs[i]
+        new = seq.output_token_ids[st.num_accepted:]
+        for t in new if token is None else new + [token]:
+            if not st.matcher.accept_token(t):
+                raise rejected_token(seq, t, st.num_accepted)
+            st.num_accepted += 1
+        if st.matcher.is_terminated():  # it accepted a stop token
+            job.ended.append(seq)
+            return
+        job.rows.append(i)
+        job.states.append(st)
+        job.matchers.append(st.matcher)
+
+    def _accept_batched(self, seqs: Seq[Sequence], rows: list[int], states: list,
+                        calls: BatchCalls, picked: list[int], job: FillJob) -> Optional[bool]:
+        """Row rows[k]'s matcher (states[k], caught up) accepts picked[k], in one call. True if
+        all did (the caller adds the rows to the fill); False if some refused theirs: those
+        requests fail, alone, and the others join the fill; None if the call raised: some
+        matchers may have moved, so the rows' are dropped, to be made again from their tokens."""
+        try:
+            refused = calls.accept(picked)
+        except Exception:
+            for i in rows:
+                self.manager.forget(seqs[i])
+            return None
+        for st in states:
+            st.num_accepted += 1
+        if not refused:
+            return True
+        refused = set(refused)
+        for k, (i, st) in enumerate(zip(rows, states)):
+            if k in refused:  # this request's grammar refused its token: it fails alone
+                st.num_accepted -= 1
+                job.errors.append((seqs[i], rejected_token(seqs[i], picked[k], st.num_accepted)))
+            else:
                 job.rows.append(i)
                 job.states.append(st)
                 job.matchers.append(st.matcher)
-            except Exception as exc:  # this request's grammar: it fails alone
-                job.errors.append((seq, exc))
-        self._plan = (_Plan(seqs, job.rows, job.states, job.matchers,
-                            [m.accept_token for m in job.matchers])
-                      if not job.ended and not job.errors else None)
+        return False
 
     def wait(self) -> None:
         """Until the worker has finished its last job (its result stays with the job)."""

@@ -127,6 +127,11 @@ class StructuredOutputManager:
             st = self._matchers[seq] = _Matcher(self._xgr(), compiled, self.eos_token_ids)
         return st
 
+    def forget(self, seq: Sequence) -> None:
+        """Drop `seq`'s matcher: the next `matcher_of` makes it again from the sequence's tokens
+        (after a batched accept that raised midway, background.py)."""
+        self._matchers.pop(seq, None)
+
     def _state(self, seq: Sequence) -> _Matcher:
         """`seq`'s matcher, caught up with its output tokens."""
         st = self.matcher_of(seq)
