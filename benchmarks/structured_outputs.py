@@ -25,6 +25,20 @@ a worker thread and never calls `apply_masks`, so the mask columns stay empty th
 repeats the three ways N times, interleaved, and reports each way's median. The output file is named after the device and model
 (structured_outputs_h200_qwen3-0.6b.json on an H200) unless `--out` says otherwise.
 `--num-requests` and `--max-tokens` shrink the workload for a quick check.
+
+Where the host's time goes, without a GPU: `--tiny-model` builds a 2-layer Qwen3 of the real
+151,936-token vocabulary (random weights, with the synthetic tokenizer) in a temporary folder,
+and `--async-scheduling` runs the constrained steps as a CUDA engine does (masks filled on the
+worker thread, sampling deferred). `--breakdown` then times, per step of each way, what the main
+thread spends on the grammar rows: `BackgroundFill.start` (advancing the matchers, including the
+batched accept, and handing the fill over), the wait for the fill, `token_mask` and
+`sample_masked` (the CPU's tokens/s are the CPU sampler's, not comparable to a GPU's; these
+milliseconds are the host's part):
+
+    .venv/bin/python benchmarks/structured_outputs.py --tiny-model --async-scheduling \
+        --breakdown --runs 3
+
+On a GPU, `--breakdown` gives the same columns for the real workload.
 """
 from __future__ import annotations
 
@@ -56,6 +70,109 @@ def default_out(model: str, device: str) -> Path:
     return ROOT / "benchmarks" / "results" / f"structured_outputs_{where}_{name}.json"
 
 
+def write_tiny_model(folder: str) -> str:
+    """A 2-layer Qwen3 with dummy:qwen3-0.6b's vocabulary and special tokens, random weights
+    (seed 0), and the synthetic tokenizer, written to `folder` as a Hugging Face model."""
+    import torch
+    from synthetic_tokenizer import write_synthetic_tokenizer
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from minipaged.models.loader import resolve_model
+    big = resolve_model("dummy:qwen3-0.6b").config
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=big["vocab_size"], hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, tie_word_embeddings=True, max_position_embeddings=1024,
+                      bos_token_id=big["bos_token_id"], eos_token_id=big["eos_token_id"])
+    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(folder)
+    write_synthetic_tokenizer(folder, big["vocab_size"])
+    return folder
+
+
+class Breakdown:
+    """Main-thread time of the grammar rows' work under async scheduling, by part: each part is
+    a method wrapped with a timer (the class's, so every engine's). `per_step` divides by the
+    steps of the run. Beside it, per deferred step: the window the worker's fill has (from the
+    end of `start` to the sampler asking for the fill's result), how long the fill took on the
+    worker, and the share of steps whose sampling waited for it (over 0.05 ms)."""
+
+    PARTS = {"start": ("minipaged.structured_output.background", "BackgroundFill", "start"),
+             "batched accept": ("minipaged.structured_output.batch_calls", "BatchCalls",
+                                "accept"),
+             "fill wait": ("minipaged.structured_output.background", "FillJob", "result"),
+             "token_mask": ("minipaged.structured_output.manager", "StructuredOutputManager",
+                            "token_mask"),
+             "sample_masked": ("minipaged.sampling.sampler", "Sampler", "sample_masked")}
+    COUNTS = {"same-batch steps": ("minipaged.structured_output.background", "BackgroundFill",
+                                   "_advance_same_batch")}
+
+    def __init__(self):
+        import importlib
+        self.total: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.windows: list[float] = []
+        self.fills: list[float] = []
+        self.waits: list[float] = []
+        for name, (module, cls, method) in {**self.PARTS, **self.COUNTS}.items():
+            try:
+                owner = getattr(importlib.import_module(module), cls, None)
+            except ImportError:  # (an older tree may lack it)
+                owner = None
+            if owner is not None and hasattr(owner, method):
+                setattr(owner, method, self._timed(name, getattr(owner, method)))
+        from minipaged.structured_output import background as bg
+        start, result, fill = bg.BackgroundFill.start, bg.FillJob.result, bg._fill
+
+        def timed_start(*args, **kwargs):
+            job = start(*args, **kwargs)
+            job.handed_over_at = time.perf_counter()
+            return job
+
+        def timed_result(job):
+            t0 = time.perf_counter()
+            out = result(job)
+            if getattr(job, "handed_over_at", None) is not None:  # its first call: sampling
+                self.windows.append(t0 - job.handed_over_at)
+                self.waits.append(time.perf_counter() - t0)
+                job.handed_over_at = None
+            return out
+
+        def timed_fill(mgr, job):  # on the worker thread
+            t0 = time.perf_counter()
+            try:
+                return fill(mgr, job)
+            finally:
+                self.fills.append(time.perf_counter() - t0)
+        bg.BackgroundFill.start, bg.FillJob.result, bg._fill = (timed_start, timed_result,
+                                                                 timed_fill)
+
+    def _timed(self, name, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total[name] = self.total.get(name, 0.0) + time.perf_counter() - t0
+                self.calls[name] = self.calls.get(name, 0) + 1
+        return timed
+
+    def clear(self) -> None:
+        for kept in (self.total, self.calls, self.windows, self.fills, self.waits):
+            kept.clear()
+
+    def per_step(self, steps: int) -> dict:
+        def median_ms(xs):
+            return round(1e3 * sorted(xs)[len(xs) // 2], 3) if xs else None
+        return {"host_ms_per_step": {k: round(1e3 * self.total.get(k, 0.0) / max(steps, 1), 3)
+                                     for k in self.PARTS},
+                **{k: self.calls.get(k, 0) for k in self.COUNTS},
+                "fill_window_ms_median": median_ms(self.windows),
+                "worker_fill_ms_median": median_ms(self.fills),
+                "share_of_steps_waiting_for_the_fill": (
+                    round(sum(w > 5e-5 for w in self.waits) / len(self.waits), 3)
+                    if self.waits else None)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="stories260K")
@@ -75,6 +192,13 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, default=None,
                     help="KV-cache blocks (default: sized from memory)")
     ap.add_argument("--runs", type=int, default=1, help="repeats of the three ways, interleaved")
+    ap.add_argument("--tiny-model", action="store_true",
+                    help="a 2-layer Qwen3 of the 151,936-token vocabulary, random weights, "
+                         "with the synthetic tokenizer (host costs on the CPU)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="async scheduling (the CUDA default) on any device")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="time the main thread's grammar work per step (instrumented runs)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import tempfile
@@ -87,7 +211,10 @@ def main() -> None:
     from minipaged.structured_output import StructuredOutputsParams
 
     tokenizer = a.tokenizer
-    if a.synthetic_vocab:
+    if a.tiny_model:
+        folder = tempfile.TemporaryDirectory(prefix="tiny_qwen3_vocab_")  # removed at exit
+        a.model = tokenizer = write_tiny_model(folder.name)
+    elif a.synthetic_vocab:
         from synthetic_tokenizer import write_synthetic_tokenizer
         vocab_size = resolve_model(a.model).config["vocab_size"]
         t0 = time.perf_counter()
@@ -96,9 +223,12 @@ def main() -> None:
         print(f"synthetic {vocab_size:,}-token byte-level tokenizer in "
               f"{time.perf_counter() - t0:.1f} s: {tokenizer}")
     # no prefix caching: each way runs the same prompts and must prefill them as the first did
+    if a.device == "cpu":
+        torch.set_num_threads(1)  # 2 shared cores: torch's default threads slow a tiny model
     llm = LLM(a.model, device=a.device, dtype=a.dtype, tokenizer=tokenizer,
               max_model_len=a.max_model_len, num_blocks=a.num_blocks,
-              enable_prefix_caching=False, seed=0)
+              enable_prefix_caching=False, seed=0,
+              **({"async_scheduling": True} if a.async_scheduling else {}))
     eng = llm.engine
     tok = eng.tokenizer
     bos = tok.bos_token_id if tok is not None else None  # stories260K: 1; byte-level BPE: none
@@ -116,6 +246,7 @@ def main() -> None:
             mask_times.append(time.perf_counter() - t0)
         return out
     mgr.apply_masks = timed
+    host = Breakdown() if a.breakdown else None
     # warm-up: the engine, and the grammar's compilation for this vocabulary (and on CUDA the
     # mask kernel's), with constrained and unconstrained rows
     warm = [p[::-1] for p in wl.prompts[:16]]
@@ -130,6 +261,8 @@ def main() -> None:
                                      structured_outputs=so if every and i % every == 0 else None)
                       for i, m in enumerate(max_tokens)]
             mask_times.clear()
+            if host is not None:
+                host.clear()
             first = len(eng.trace)
             t0 = time.perf_counter()
             outs = llm.generate(wl.prompts, params, use_tqdm=False)
@@ -141,7 +274,8 @@ def main() -> None:
                 "mask_ms_per_constrained_step": (round(1e3 * sum(mask_times) / len(mask_times), 3)
                                                  if mask_times else None),
                 "mask_share_of_time": round(sum(mask_times) / elapsed, 3),
-                "first_output": outs[0].outputs[0].text[:80]})  # constrained: starts with "["
+                "first_output": outs[0].outputs[0].text[:80],  # constrained: starts with "["
+                **({} if host is None else host.per_step(len(eng.trace) - first))})
     results = {}
     for name, rs in runs.items():  # each way's median run by tokens/s
         results[name] = dict(sorted(rs, key=lambda r: r["tokens_per_sec"])[len(rs) // 2])
@@ -155,7 +289,9 @@ def main() -> None:
                 + ", seed 0, greedy, ignore_eos")
     out = {"benchmark": "structured_outputs",
            "command": " ".join(["python benchmarks/structured_outputs.py", *sys.argv[1:]]),
-           "model": a.model, "device": a.device,
+           "model": "tiny Qwen3 (2 layers, hidden 64, vocab 151,936)" if a.tiny_model
+           else a.model, "device": a.device,
+           "async_scheduling": eng.config.async_scheduling,
            "dtype": str(llm.config.dtype),
            "tokenizer": ("synthetic byte-level BPE (benchmarks/synthetic_tokenizer.py, seed 0)"
                          if a.synthetic_vocab else a.tokenizer or "the model's"),
@@ -169,7 +305,14 @@ def main() -> None:
         ms = r["mask_ms_per_constrained_step"]
         print(f"{name:<18} {r['tokens_per_sec']:>8.0f} {r['ratio_to_none']:>6.3f} {r['steps']:>6} "
               f"{'-' if ms is None else f'{ms:.3f}':>13} {r['mask_share_of_time']:>10.1%}")
-    path = Path(a.out) if a.out else default_out(a.model, a.device)
+    if host is not None:
+        for name, r in results.items():
+            print(f"{name:<18} main thread ms/step: " + ", ".join(
+                f"{k} {v:.3f}" for k, v in r["host_ms_per_step"].items())
+                  + f"; fill window {r['fill_window_ms_median']} ms, worker's fill "
+                  f"{r['worker_fill_ms_median']} ms (medians), steps waiting for it "
+                  f"{r['share_of_steps_waiting_for_the_fill']}")
+    path = Path(a.out) if a.out else default_out("tiny" if a.tiny_model else a.model, a.device)
     path.write_text(json.dumps(out, indent=1) + "\n")
     print("wrote", path)
 

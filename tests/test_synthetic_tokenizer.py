@@ -5,6 +5,7 @@ every build, and be read by xgrammar as a byte-level vocabulary that a JSON sche
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -94,3 +95,25 @@ def test_bad_arguments_are_refused_naming_them(tmp_path):
         mp.setattr(st, "synthetic_corpus", lambda n, seed: [" ab"] * n)
         with pytest.raises(ValueError, match="a corpus of 600 words gave 258 tokens, not 299"):
             st.train_byte_level_bpe(300, {"<|eos|>": 299})
+
+
+def test_the_benchmarks_host_breakdown_runs_on_a_tiny_model_of_this_vocabulary(tmp_path):
+    """`structured_outputs.py --tiny-model --async-scheduling --breakdown` (the host's grammar
+    work per step without a GPU) times the engine's real methods: a rename would leave its
+    columns at zero, so they must be filled for the constrained ways and empty for none."""
+    import subprocess
+    out = tmp_path / "breakdown.json"
+    subprocess.run([sys.executable, str(BENCH / "structured_outputs.py"), "--tiny-model",
+                    "--async-scheduling", "--breakdown", "--num-requests", "8",
+                    "--max-tokens", "12", "--out", str(out)], check=True, capture_output=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    got = json.loads(out.read_text())
+    assert got["async_scheduling"] is True and got["vocab_size"] == QWEN3_VOCAB
+    res = got["results"]
+    assert not any(res["none"]["host_ms_per_step"].values())
+    for way in ("all constrained", "half constrained"):
+        parts = res[way]["host_ms_per_step"]
+        assert all(parts[k] > 0 for k in ("start", "batched accept", "fill wait", "token_mask",
+                                           "sample_masked")), parts
+        assert res[way]["same-batch steps"] > 0 and res[way]["worker_fill_ms_median"] > 0
+        assert res[way]["first_output"].startswith("[")
