@@ -294,7 +294,7 @@ def main() -> None:
            "async_scheduling": eng.config.async_scheduling,
            "dtype": str(llm.config.dtype),
            "tokenizer": ("synthetic byte-level BPE (benchmarks/synthetic_tokenizer.py, seed 0)"
-                         if a.synthetic_vocab else a.tokenizer or "the model's"),
+                         if a.synthetic_vocab or a.tiny_model else a.tokenizer or "the model's"),
            "workload": workload, "library": "xgrammar " + version("xgrammar"),
            "vocab_size": eng.model_config.vocab_size, "schema": SCHEMA, "runs": a.runs,
            "results": results, "environment": environment(), "torch_threads":

@@ -49,7 +49,7 @@ def _run(async_scheduling, params, kernel=False, **cfg):
 def test_async_equals_sync(case, monkeypatch):
     kw, cfg = {}, {}
     if case == "public batch calls":  # xgrammar's public batched methods (batch_calls.py)
-        monkeypatch.setattr(batch_calls, "_BATCH", None)
+        monkeypatch.setattr(batch_calls, "_direct_calls", lambda: None)
         kw = dict(temperature=1.0)
     if case.startswith("kernel"):  # unseeded rows: the kernels' own draw
         kw = dict(seeded=False, max_tokens=50,  # sampled: greedy and two temperatures mixed
@@ -259,7 +259,9 @@ def _faulty_batch(monkeypatch, refuse):
 
 @IGNORE_INTERPRETER_WARNINGS
 @pytest.mark.parametrize("where", ["sampler", "sampler's kernels", "matcher",
-                                   "batched accept raises", "batched accept refuses"])
+                                   "batched accept raises", "batched accept refuses",
+                                   "batched accept raises, batch changed",
+                                   "batched accept refuses, batch changed"])
 def test_a_fault_in_a_deferred_step_fails_its_request_alone(reference, monkeypatch, where):
     eng = LLM("stories260K", block_size=8, seed=1, device="cpu", async_scheduling=True).engine
     if where.startswith("sampler"):
@@ -276,7 +278,12 @@ def test_a_fault_in_a_deferred_step_fails_its_request_alone(reference, monkeypat
             return st
         monkeypatch.setattr(mgr, "matcher_of", faulty)
         if where.startswith("batched"):  # the batch is the same as the step before's
-            checked = _faulty_batch(monkeypatch, refuse=where.endswith("refuses"))
+            checked = _faulty_batch(monkeypatch, refuse="refuses" in where)
+            if where.endswith("changed"):  # every step as if the batch had changed: the rows
+                advance = BackgroundFill._advance  # that lack only their new token, batched
+                monkeypatch.setattr(BackgroundFill, "_advance_same_batch",
+                                    lambda self, seqs, plan, just_read, job:
+                                    advance(self, seqs, just_read, job))
         else:  # each matcher accepting its tokens one by one (as a row that is behind does)
             advance = BackgroundFill._advance
             monkeypatch.setattr(BackgroundFill, "_advance_same_batch",
@@ -288,7 +295,7 @@ def test_a_fault_in_a_deferred_step_fails_its_request_alone(reference, monkeypat
     outs = _run_requests(eng)
     bad = outs.pop("culprit")
     assert bad.outputs[0].finish_reason == "error"
-    assert ("does not allow token" if where.endswith("refuses") else "injected") in bad.error
+    assert ("does not allow token" if "refuses" in where else "injected") in bad.error
     # the sampler raises for its 3rd token; the matcher raises as it accepts the 3rd token,
     # read with the step before and appended before that step's error is
     kept = 2 if where.startswith("sampler") else 3
@@ -296,8 +303,31 @@ def test_a_fault_in_a_deferred_step_fails_its_request_alone(reference, monkeypat
     for rid, o in outs.items():
         assert o.outputs[0].token_ids == reference[rid].outputs[0].token_ids
     assert eng.async_scheduling.pending is None and not eng.has_unfinished_requests()
-    if where == "batched accept raises":  # the other rows' matchers were made again
+    if where.startswith("batched accept raises"):  # the other rows' matchers were made again
         assert len(checked) > 10
+
+
+def test_a_matcher_made_again_while_its_token_is_in_flight_catches_up_first(reference,
+                                                                          monkeypatch):
+    """A row whose matcher is new while its sequence has tokens (made again, as after a batched
+    accept that raised) and its next token has just been read: it must accept the sequence's
+    tokens before that one, not join the batched accept of the rows that lack only their new
+    token."""
+    start, calls = BackgroundFill.start, []
+
+    def forgetting(self, seqs, pin, just_read=None):
+        calls.append(just_read is not None)
+        if sum(calls) == 6:
+            for seq in seqs:
+                self.manager.forget(seq)
+            self._plan = None
+        return start(self, seqs, pin, just_read)
+    monkeypatch.setattr(BackgroundFill, "start", forgetting)
+    eng = LLM("stories260K", block_size=8, seed=1, device="cpu", async_scheduling=True).engine
+    outs = _run_requests(eng)
+    assert sum(calls) > 6
+    for rid, o in outs.items():
+        assert o.outputs[0].token_ids == reference[rid].outputs[0].token_ids, rid
 
 
 def test_a_worker_that_raises_anything_fails_that_fill_and_the_engine_goes_on(monkeypatch):

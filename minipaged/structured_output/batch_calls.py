@@ -7,7 +7,8 @@ Python per row and call, which at 64 rows is a good part of what the calls cost,
 scheduling (background.py) the same rows are advanced and filled step after step while the
 main thread is the bottleneck. `BatchCalls` takes the handles once per batch of rows and calls
 the C++ functions behind those methods directly, testing an accept's result with one call
-(does it contain a 0?). Where this xgrammar does not have them, it uses the public methods.
+(does it contain a 0?). Where this xgrammar does not have them (tried once), it uses the
+public methods.
 
     calls = BatchCalls(matchers)          # xgrammar GrammarMatchers
     refused = calls.accept(tokens)        # matcher k accepts tokens[k]; the k that refused
@@ -16,13 +17,28 @@ the C++ functions behind those methods directly, testing an accept's result with
 """
 from __future__ import annotations
 
-try:  # the C++ functions behind xgrammar's batched methods (xgrammar >= 0.2.9)
-    from tvm_ffi import _ffi_api as _tvm_ffi
-    from xgrammar.matcher import _core
-    _BATCH = _core.BatchGrammarMatcher
-    _CONTAINS = _tvm_ffi.ArrayContains
-except (ImportError, AttributeError):  # pragma: no cover (another xgrammar: the public calls)
-    _BATCH = _CONTAINS = None
+import functools
+
+
+@functools.cache
+def _direct_calls():
+    """xgrammar's C++ batched accept and tvm_ffi's `ArrayContains`, if this xgrammar has them
+    with the arguments used here (tried once, on empty lists: a later version that renamed or
+    changed them gets the public methods, instead of an error at every step); else None.
+    (On first use, not at import: xgrammar takes seconds to import.)"""
+    try:
+        import torch
+        from tvm_ffi import _ffi_api as tvm_ffi
+        from xgrammar import BatchGrammarMatcher
+        from xgrammar.matcher import _core
+        batch, contains = _core.BatchGrammarMatcher, tvm_ffi.ArrayContains
+        if contains(batch.batch_accept_token([], [], False), 0):
+            return None
+        BatchGrammarMatcher(1)._handle.batch_fill_next_token_bitmask(
+            [], torch.zeros((1, 1), dtype=torch.int32), [], False)
+        return batch, contains
+    except Exception:  # pragma: no cover (another xgrammar: the public calls)
+        return None
 
 
 class BatchCalls:
@@ -30,8 +46,9 @@ class BatchCalls:
 
     def __init__(self, matchers: list, direct: bool = True):
         self.matchers = matchers
-        self.direct = direct and _BATCH is not None and all(hasattr(m, "_handle")
-                                                            for m in matchers)
+        calls = _direct_calls() if direct else None
+        self.direct = calls is not None and all(hasattr(m, "_handle") for m in matchers)
+        self._cpp, self._contains = calls if self.direct else (None, None)
         self.handles = [m._handle for m in matchers] if self.direct else None
 
     def accept(self, tokens: list[int]) -> list[int]:
@@ -41,8 +58,8 @@ class BatchCalls:
             import xgrammar as xgr
             accepted = xgr.BatchGrammarMatcher.batch_accept_token(self.matchers, tokens)
             return [k for k, ok in enumerate(accepted) if not ok]
-        result = _BATCH.batch_accept_token(self.handles, tokens, False)  # an FFI array of 0/1
-        if not _CONTAINS(result, 0):
+        result = self._cpp.batch_accept_token(self.handles, tokens, False)  # FFI array, 0/1
+        if not self._contains(result, 0):  # (0, not False: the elements are ints)
             return []
         return [k for k in range(len(tokens)) if not result[k]]
 
