@@ -69,14 +69,18 @@ class FillJob:
         for lock in (self.ready, self.begun, self.done):
             lock.acquire()
         self.rows: list[int] = []
-        self.matchers: list = []  # the rows' xgrammar matchers, made into `calls` by start()
-        self.calls: Optional[BatchCalls] = None
-        self.states: list = []
+        self.states: list = []  # by entry of `rows`: its manager._Matcher
+        self.calls: Optional[BatchCalls] = None  # their matchers' (made by start())
         self.seqs: list[Sequence] = []  # by row: the sequence (for a fill that raises)
         self.ended: list[Sequence] = []
         self.errors: list[tuple[Sequence, Exception]] = []
         self.started = False
         self.failure: Optional[Exception] = None
+
+    def add(self, row: int, st) -> None:
+        """Row `row`, its matcher `st` caught up, is to be filled."""
+        self.rows.append(row)
+        self.states.append(st)
 
     def result(self) -> FillResult:
         with self.done:
@@ -160,7 +164,7 @@ class BackgroundFill:
                 try:
                     mgr.prepare_buffers(len(seqs), pin)
                     if job.calls is None:  # (the same batch's are the plan's)
-                        job.calls = BatchCalls(job.matchers)
+                        job.calls = BatchCalls([st.matcher for st in job.states])
                 except Exception as exc:  # no buffers: the rows fail, each request alone
                     job.errors += [(seqs[i], exc) for i in job.rows]
                     job.rows, keep = [], False
@@ -223,7 +227,6 @@ class BackgroundFill:
             if done:
                 job.rows += rows
                 job.states += states
-                job.matchers += [st.matcher for st in states]
             elif done is None:  # it raised: those rows' matchers made again, one at a time
                 for i, token in zip(rows, picked):
                     try:
@@ -245,9 +248,7 @@ class BackgroundFill:
         if st.matcher.is_terminated():  # it accepted a stop token
             job.ended.append(seq)
             return
-        job.rows.append(i)
-        job.states.append(st)
-        job.matchers.append(st.matcher)
+        job.add(i, st)
 
     def _accept_batched(self, seqs: Seq[Sequence], rows: list[int], states: list,
                         calls: BatchCalls, picked: list[int], job: FillJob) -> Optional[bool]:
@@ -261,19 +262,17 @@ class BackgroundFill:
             for i in rows:
                 self.manager.forget(seqs[i])
             return None
-        for st in states:
-            st.num_accepted += 1
         if not refused:
+            for st in states:
+                st.num_accepted += 1
             return True
         refused = set(refused)
         for k, (i, st) in enumerate(zip(rows, states)):
             if k in refused:  # this request's grammar refused its token: it fails alone
-                st.num_accepted -= 1
                 job.errors.append((seqs[i], rejected_token(seqs[i], picked[k], st.num_accepted)))
             else:
-                job.rows.append(i)
-                job.states.append(st)
-                job.matchers.append(st.matcher)
+                st.num_accepted += 1
+                job.add(i, st)
         return False
 
     def wait(self) -> None:
