@@ -321,11 +321,13 @@ def test_structured_outputs_on_gpu_with_a_qwen3_sized_vocabulary(tmp_path):
         assert doc["n"] in range(1, 10) and doc["pet"] in ("cat", "dog")
 
 
-def test_structured_outputs_async_scheduling_equals_sync_on_gpu(tmp_path):
+@pytest.mark.parametrize("seeded", [False, True])
+def test_structured_outputs_async_scheduling_equals_sync_on_gpu(tmp_path, seeded):
     """Constrained steps stay asynchronous on CUDA (the previous tokens read before the masks
     are filled, the bitmask copied from pinned memory while the forward runs): the same tokens
     as synchronous steps. Every row is held to an array that cannot end before max_tokens, so
-    both runs step the same batches."""
+    both runs step the same batches. Seeded rows take the torch sampler (the masks applied to
+    the logits, from the bitmask `token_mask` copied) instead of the masked kernels."""
     import gc
     import sys
     from pathlib import Path
@@ -337,8 +339,10 @@ def test_structured_outputs_async_scheduling_equals_sync_on_gpu(tmp_path):
 
     folder = write_synthetic_tokenizer(tmp_path / "vocab")
     prompts = _prompts(32, 151936, 6)
-    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True,
-                        structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    so = StructuredOutputsParams(json=SCHEMA)
+    sps = [SamplingParams(temperature=0.8 if seeded else 0, seed=i if seeded else None,
+                          max_tokens=48, ignore_eos=True, structured_outputs=so)
+           for i in range(len(prompts))]
     res, in_flight = [], 0
     for flag in (False, True):
         gc.collect()
@@ -348,7 +352,7 @@ def test_structured_outputs_async_scheduling_equals_sync_on_gpu(tmp_path):
                   async_scheduling=flag)
         eng = llm.engine
         for i, p in enumerate(prompts):
-            eng.add_request(str(i), p, sp)
+            eng.add_request(str(i), p, sps[i])
         outs = []
         while eng.has_unfinished_requests():
             outs += eng.step()

@@ -203,6 +203,30 @@ def test_bad_constraints_are_refused_at_entry(kw, match):
             SO(**kw)
 
 
+def test_a_spec_is_parsed_once_and_a_refused_one_refused_every_time(monkeypatch):
+    """Validation remembers the last specs it parsed (a request is validated twice, and a server
+    sees the same schemas again and again); a refused spec stays refused."""
+    import xgrammar as xgr
+    calls = []
+    parse = xgr.Grammar.from_json_schema
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return parse(*args, **kwargs)
+    monkeypatch.setattr(xgr.Grammar, "from_json_schema", counted)
+    schema = {"type": "object", "properties": {"cache_test": {"type": "integer"}}}
+    for _ in range(3):
+        SamplingParams(structured_outputs=SO(json=schema)).validate()
+    assert len(calls) == 1
+    other = dict(schema, required=["cache_test"])
+    SamplingParams(structured_outputs=SO(json=other))
+    assert len(calls) == 2  # another spec is parsed
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"structured_outputs\.json is not valid: .*objekt"):
+            SO(json={"type": "objekt", "cache_test": 1})
+    assert len(calls) == 3
+
+
 def test_bad_constraint_added_to_engine_fails_alone(llm):
     eng = llm.engine
     good = SamplingParams(temperature=0, max_tokens=300, structured_outputs=SO(choice=CHOICES))

@@ -183,8 +183,11 @@ class StructuredOutputManager:
         rows = self.fill_bitmask(seqs, pin=logits.device.type == "cuda")
         return self.apply_bitmask(logits, rows)
 
-    def apply_bitmask(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """Apply the host bitmask's `rows` (filled by `fill_bitmask`) to those rows of logits."""
+    def apply_bitmask(self, logits: torch.Tensor, rows: list[int],
+                      on_device: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Apply the host bitmask's `rows` (filled by `fill_bitmask`) to those rows of logits.
+        `on_device`: the bitmask already copied to the logits' GPU (`token_mask`'s), used as it
+        is instead of being copied again."""
         if not rows:
             return logits
         import xgrammar as xgr
@@ -195,7 +198,8 @@ class StructuredOutputManager:
                                             indices=rows)
             return logits
         self._indices[:len(rows)] = torch.tensor(rows, dtype=torch.int32)
-        mask = self._bitmask[:logits.shape[0]].to(logits.device, non_blocking=True)
+        mask = (self._bitmask[:logits.shape[0]].to(logits.device, non_blocking=True)
+                if on_device is None else on_device)
         indices = self._indices[:len(rows)].to(logits.device, non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()

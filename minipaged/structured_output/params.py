@@ -17,6 +17,7 @@ added (`manager.py`).
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, fields
@@ -129,23 +130,38 @@ def library_error(exc: BaseException) -> str:
 
 def grammar_of(p: StructuredOutputsParams):
     """The tokenizer-independent `xgrammar.Grammar` of a constraint; raises what xgrammar raises."""
+    return _grammar(p.kind, p.spec, p.disable_any_whitespace)
+
+
+def _grammar(kind: str, spec: str, disable_any_whitespace: bool):
     import xgrammar as xgr
-    kind = p.kind
     if kind in ("json", "json_object"):  # json_object: OpenAI's "any JSON object"
-        schema = p.spec if kind == "json" else '{"type": "object"}'
-        return xgr.Grammar.from_json_schema(schema, any_whitespace=not p.disable_any_whitespace,
+        schema = spec if kind == "json" else '{"type": "object"}'
+        return xgr.Grammar.from_json_schema(schema, any_whitespace=not disable_any_whitespace,
                                             max_whitespace_cnt=MAX_WHITESPACE)
     if kind == "regex":
-        return xgr.Grammar.from_regex(p.regex)
+        return xgr.Grammar.from_regex(spec)
     if kind == "choice":  # root ::= "a" | "b" (JSON string escapes are EBNF's too)
         return xgr.Grammar.from_ebnf(
-            "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in p.choice))
-    return xgr.Grammar.from_ebnf(p.grammar)
+            "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(spec)))
+    return xgr.Grammar.from_ebnf(spec)
 
 
 def check_spec(p: StructuredOutputsParams) -> None:
     """Parse the constraint once; a spec xgrammar refuses is a ValueError naming the field."""
+    error = _spec_error(p.kind, p.spec, p.disable_any_whitespace)
+    if error is not None:
+        raise ValueError(f"structured_outputs.{p.kind} is not valid: {error}")
+
+
+@functools.lru_cache(maxsize=64)  # (at most 64 specs of MAX_SPEC_CHARS: 4 MiB)
+def _spec_error(kind: str, spec: str, disable_any_whitespace: bool) -> Optional[str]:
+    """xgrammar's message if it refuses the constraint, else None. Remembered for the last 64
+    specs: requests mostly repeat a few schemas, a request is validated twice (when its
+    `SamplingParams` is made and when the engine adds it), and parsing a large schema takes
+    about 0.3 ms, which at 64 new requests a step is a good part of a step."""
     try:
-        grammar_of(p)
+        _grammar(kind, spec, disable_any_whitespace)
     except Exception as e:  # xgrammar raises RuntimeError with the parser's message
-        raise ValueError(f"structured_outputs.{p.kind} is not valid: {library_error(e)}") from None
+        return library_error(e)
+    return None

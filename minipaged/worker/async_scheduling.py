@@ -258,7 +258,9 @@ class AsyncScheduling:
             mask = mgr.token_mask(rows, len(seqs), logits.device) if rows else None
             out = None if mask is None else eng.sampler.sample_masked(logits, seqs, mask)
             if out is None:
-                tokens = eng.sampler.sample(mgr.apply_bitmask(logits, rows), seqs)
+                tokens = eng.sampler.sample(  # (the bitmask is on the device already)
+                    mgr.apply_bitmask(logits, rows, None if mask is None else mask.bitmask),
+                    seqs)
                 out = tokens if mask is None else torch.stack((tokens, ended_rows(mask)))
         except Exception:
             if rows:  # the rows the kernels would have flagged (from the host's bitmask)
