@@ -3,7 +3,8 @@
 # benchmarks/structured_outputs.py runs against each checkout's minipaged package in turn
 # (A, B, A, B, ...), so that drift of the machine falls on both sides alike. Writes each run's
 # JSON and a summary: per way, the median tokens/s ratio to the unconstrained run and, with
-# --breakdown, the median main-thread ms per step of each part.
+# --breakdown, the median main-thread ms per step of each part; with --runs > 1 also the
+# median over all rounds of each round's ratio (paired: the host's drift moves both sides).
 #
 #   bash benchmarks/structured_ab.sh A_DIR B_DIR OUT_JSON ROUNDS [benchmark arguments...]
 #
@@ -43,6 +44,9 @@ def medians(side):
     for w in ways:
         rs = [x["results"][w] for x in runs[side]]
         got[w] = {"ratio_to_none": statistics.median(r["ratio_to_none"] for r in rs)}
+        if "ratio_to_none_per_round" in rs[0]:  # every round of every invocation, paired
+            got[w]["ratio_to_none_paired_median"] = statistics.median(
+                x for r in rs for x in r["ratio_to_none_per_round"])
         if "host_ms_per_step" in rs[0]:
             got[w]["host_ms_per_step"] = {k: statistics.median(r["host_ms_per_step"][k] for r in rs)
                                           for k in rs[0]["host_ms_per_step"]}
@@ -59,6 +63,9 @@ json.dump(summary, open(out, "w"), indent=1)
 for w in ways:
     ra, rb = med["a"][w]["ratio_to_none"], med["b"][w]["ratio_to_none"]
     line = f"{w}: ratio to none A {ra:.3f}, B {rb:.3f}"
+    if "ratio_to_none_paired_median" in med["a"][w]:
+        pa, pb = (med[s][w]["ratio_to_none_paired_median"] for s in "ab")
+        line += f"; paired rounds A {pa:.3f}, B {pb:.3f}"
     if "host_ms_per_step" in med["a"][w]:
         sa, sb = med["a"][w]["host_ms_per_step"]["start"], med["b"][w]["host_ms_per_step"]["start"]
         line += f"; start ms/step A {sa:.3f}, B {sb:.3f}"

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from importlib.metadata import version
@@ -282,8 +283,14 @@ def main() -> None:
         if a.runs > 1:
             results[name]["tokens_per_sec_all_runs"] = [r["tokens_per_sec"] for r in rs]
     base = results["none"]["tokens_per_sec"]
-    for r in results.values():
+    for name, r in results.items():
         r["ratio_to_none"] = round(r["tokens_per_sec"] / base, 3)
+        # Each round's ratio to that round's unconstrained run (the three ways run one after
+        # the other): a host whose speed drifts between rounds moves both sides of a pair.
+        paired = [x["tokens_per_sec"] / n["tokens_per_sec"] for x, n in zip(runs[name],
+                                                                             runs["none"])]
+        r["ratio_to_none_per_round"] = [round(x, 3) for x in paired]
+        r["ratio_to_none_paired_median"] = round(statistics.median(paired), 3)
     workload = (f"cpu: {a.num_requests} requests, prompts U[4,64], outputs U[16,256]"
                 + ("" if a.max_tokens is None else f" capped at {a.max_tokens}")
                 + ", seed 0, greedy, ignore_eos")
@@ -299,11 +306,12 @@ def main() -> None:
            "vocab_size": eng.model_config.vocab_size, "schema": SCHEMA, "runs": a.runs,
            "results": results, "environment": environment(), "torch_threads":
                torch.get_num_threads()}
-    print(f"{'run':<18} {'tok/s':>8} {'ratio':>6} {'steps':>6} {'mask ms/step':>13} "
-          f"{'mask share':>10}")
+    print(f"{'run':<18} {'tok/s':>8} {'ratio':>6} {'paired':>6} {'steps':>6} "
+          f"{'mask ms/step':>13} {'mask share':>10}")
     for name, r in results.items():
         ms = r["mask_ms_per_constrained_step"]
-        print(f"{name:<18} {r['tokens_per_sec']:>8.0f} {r['ratio_to_none']:>6.3f} {r['steps']:>6} "
+        print(f"{name:<18} {r['tokens_per_sec']:>8.0f} {r['ratio_to_none']:>6.3f} "
+              f"{r['ratio_to_none_paired_median']:>6.3f} {r['steps']:>6} "
               f"{'-' if ms is None else f'{ms:.3f}':>13} {r['mask_share_of_time']:>10.1%}")
     if host is not None:
         for name, r in results.items():
