@@ -198,10 +198,6 @@ def main() -> None:
                          "with the synthetic tokenizer (host costs on the CPU)")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="async scheduling (the CUDA default) on any device")
-    ap.add_argument("--grammar-fill", choices=("auto", "thread", "process"), default="auto",
-                    help="under async scheduling, fill the masks on a thread (background.py) or "
-                         "in the grammar process (grammar_process.py); auto: the engine's choice "
-                         "(the process on CUDA)")
     ap.add_argument("--breakdown", action="store_true",
                     help="time the main thread's grammar work per step (instrumented runs)")
     ap.add_argument("--out", default=None)
@@ -233,9 +229,7 @@ def main() -> None:
     llm = LLM(a.model, device=a.device, dtype=a.dtype, tokenizer=tokenizer,
               max_model_len=a.max_model_len, num_blocks=a.num_blocks,
               enable_prefix_caching=False, seed=0,
-              **({"async_scheduling": True} if a.async_scheduling else {}),
-              **({} if a.grammar_fill == "auto" else
-                 {"structured_outputs_process": a.grammar_fill == "process"}))
+              **({"async_scheduling": True} if a.async_scheduling else {}))
     eng = llm.engine
     tok = eng.tokenizer
     bos = tok.bos_token_id if tok is not None else None  # stories260K: 1; byte-level BPE: none
@@ -260,9 +254,6 @@ def main() -> None:
     llm.generate(warm, [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
                                        structured_outputs=so if i % 2 else None)
                         for i in range(len(warm))], use_tqdm=False)
-    fill = getattr(getattr(eng, "async_scheduling", None), "fill", None)
-    if hasattr(fill, "ready"):  # the grammar process: started by the warm-up, ready before timing
-        print("grammar process ready:", fill.ready())
     ways = [("none", 0), ("all constrained", 1), ("half constrained", 2)]
     runs: dict[str, list[dict]] = {name: [] for name, _ in ways}
     for _ in range(a.runs):
@@ -313,11 +304,6 @@ def main() -> None:
                          if a.synthetic_vocab or a.tiny_model else a.tokenizer or "the model's"),
            "workload": workload, "library": "xgrammar " + version("xgrammar"),
            "vocab_size": eng.model_config.vocab_size, "schema": SCHEMA, "runs": a.runs,
-           "grammar_fill": (None if fill is None else "process" if hasattr(fill, "ready")
-                            else "thread"),
-           **({"grammar_process_steps": {"process": fill.process_steps,
-                                         "thread": fill.thread_steps}}
-              if hasattr(fill, "ready") else {}),
            "results": results, "environment": environment(), "torch_threads":
                torch.get_num_threads()}
     print(f"{'run':<18} {'tok/s':>8} {'ratio':>6} {'paired':>6} {'steps':>6} "
