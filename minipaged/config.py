@@ -90,11 +90,6 @@ class EngineConfig:
         None, "plan and launch step t+1 while the GPU still runs step t, reading step t's tokens "
               "one step late (worker/async_scheduling.py); auto: on for CUDA, off on the CPU and "
               "with speculative_config (a verify step needs its tokens at once)")
-    structured_outputs_process: Optional[bool] = _knob(
-        None, "under async scheduling, fill grammar masks in a child process "
-              "(structured_output/grammar_process.py) instead of a thread of the engine's, so "
-              "that the grammar work takes none of the main thread's time or GIL; auto: on "
-              "with async scheduling on CUDA")
     kv_cache_dtype: str = _knob(
         "auto", "what the KV cache stores. auto: the model's dtype; fp8 (fp8_e4m3): float8 e4m3, "
                 "one byte per element, unscaled and clamped to +-448: twice the tokens per GiB, "
@@ -166,7 +161,6 @@ class EngineConfig:
         check_bool("record_block_tables", self.record_block_tables)
         check_bool("enforce_eager", self.enforce_eager)
         check_bool("async_scheduling", self.async_scheduling, optional=True)
-        check_bool("structured_outputs_process", self.structured_outputs_process, optional=True)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         check_choice("quantization", self.quantization, QUANTIZATION_METHODS, optional=True,
                      note=" (None: weights in dtype; fp8: float8 e4m3 weights with per-channel "
@@ -218,12 +212,8 @@ class EngineConfig:
         async_scheduling = self.async_scheduling
         if async_scheduling is None:  # speculation needs each step's tokens before the next
             async_scheduling = cuda and self.speculative_config is None
-        grammar_process = self.structured_outputs_process
-        if grammar_process is None:
-            grammar_process = cuda and async_scheduling
         out = replace(self, device=device, dtype=dtype, attention_backend=backend, fused_ops=fused,
                       cpu_threads=threads, async_scheduling=async_scheduling,
-                      structured_outputs_process=grammar_process,
                       max_cpu_loras=self.max_cpu_loras or self.max_loras)
         out._resolve_lengths(model_config.max_position_embeddings)
         if out.tensor_parallel_size > 1:  # heads, vocabulary and devices must split N ways

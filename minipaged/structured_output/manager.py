@@ -72,7 +72,6 @@ class StructuredOutputManager:
         self.max_num_seqs = max_num_seqs
         self.cache_size = cache_size
         self._compiler = None  # built on the first constrained request (xgrammar's import: ~2 s)
-        self.tokenizer_info = None  # xgrammar.TokenizerInfo, with the compiler
         self._compiled: OrderedDict[tuple, object] = OrderedDict()
         self._matchers: weakref.WeakKeyDictionary[Sequence, _Matcher] = weakref.WeakKeyDictionary()
         # threads for a batched fill: half the cores (xgrammar's own default), at most 8
@@ -97,7 +96,6 @@ class StructuredOutputManager:
                                           "this model has none (dummy weights?)")
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.eos_token_ids)
-            self.tokenizer_info = info  # (grammar_process.py sends it to its process)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return xgr
 
@@ -164,29 +162,19 @@ class StructuredOutputManager:
         xgr = self._xgr()
         if self._bitmask is None or self._bitmask.shape[0] < num_rows or (
                 pin and not self._bitmask.is_pinned()):
-            bitmask = xgr.allocate_token_bitmask(max(self.max_num_seqs, num_rows),
-                                                 self.vocab_size)
-            self.use_bitmask(bitmask.pin_memory() if pin else bitmask, pin)
+            n = max(self.max_num_seqs, num_rows)
+            self._bitmask = xgr.allocate_token_bitmask(n, self.vocab_size)
+            self._indices = torch.zeros(n, dtype=torch.int32)
+            self._masked = torch.zeros(n, dtype=torch.int32)
+            if pin:
+                self._bitmask = self._bitmask.pin_memory()
+                self._indices = self._indices.pin_memory()
+                self._masked = self._masked.pin_memory()
+            self._copied = None
         if self._batch is None:
             self._batch = xgr.BatchGrammarMatcher(self.max_threads)
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copy has left these buffers
-
-    def use_bitmask(self, bitmask: torch.Tensor, pin: bool) -> None:
-        """Fill into `bitmask` ((rows, ceil(vocab / 32)) int32, pinned if `pin`) from now on,
-        e.g. memory shared with the grammar process (grammar_process.py)."""
-        assert bitmask.dtype == torch.int32 and bitmask.shape[1] == (self.vocab_size + 31) // 32
-        if self._copied is not None:
-            self._copied.synchronize()  # the last copy out of the old buffers has left
-        n = bitmask.shape[0]
-        self._bitmask = bitmask
-        self._indices = torch.zeros(n, dtype=torch.int32)
-        self._masked = torch.zeros(n, dtype=torch.int32)
-        if pin:
-            self._indices = self._indices.pin_memory()
-            self._masked = self._masked.pin_memory()
-        self._copied = None
-        self._last_masked = None
 
     def apply_masks(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
         """Set to -inf, in each constrained row, the logits of the tokens its grammar forbids.

@@ -154,13 +154,8 @@ class AsyncScheduling:
         engine.scheduler = engine.make_scheduler(AsyncScheduler,
                                                  max_model_len=engine.config.max_model_len)
         self.pending: Optional[PendingStep] = None  # the step whose tokens are not read yet
-        # grammar rows' masks, filled off the main thread: in a child process or on a thread
-        if engine.config.structured_outputs_process:
-            from minipaged.structured_output.grammar_process import ProcessFill
-            self.fill = ProcessFill(engine.structured_output, pin=engine.config.is_cuda)
-        else:
-            from minipaged.structured_output.background import BackgroundFill
-            self.fill = BackgroundFill(engine.structured_output)
+        from minipaged.structured_output.background import BackgroundFill
+        self.fill = BackgroundFill(engine.structured_output)  # grammar rows' masks, off-thread
         engine.structured_output.advance_on_fill = True
         engine.step = self.step
         engine.has_unfinished_requests = self.has_unfinished_requests
