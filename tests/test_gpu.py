@@ -321,6 +321,42 @@ def test_structured_outputs_on_gpu_with_a_qwen3_sized_vocabulary(tmp_path):
         assert doc["n"] in range(1, 10) and doc["pet"] in ("cat", "dog")
 
 
+@pytest.mark.parametrize("vocab", [512, 32000, 151936])
+def test_masked_argmax_on_gpu_equals_torch(vocab):
+    """The greedy rows' grammar-mask kernel as compiled for the GPU (its block and warps differ
+    from the CPU interpreter's): the first maximum among each row's allowed tokens, and the flag
+    of the masked rows that allow stop tokens only, as torch computes them."""
+    from minipaged.sampling.kernels import masked_argmax
+    from minipaged.sampling.params import TokenMask
+    from minipaged.structured_output.manager import ended_rows
+    g = torch.Generator().manual_seed(vocab)
+    rows, words, stop = 64, (vocab + 31) // 32, vocab - 1
+    allowed = torch.rand(rows, vocab, generator=g) < 0.3
+    allowed[1] = False
+    allowed[1, stop] = True  # ended: the stop token only
+    allowed[2] = False  # nothing allowed
+    logits = torch.randn(rows, vocab, generator=g).to(torch.bfloat16)
+    logits[3, :] = 1.0  # ties: the first allowed one wins
+    bits = torch.zeros(rows, words * 32, dtype=torch.int64)
+    bits[:, :vocab] = allowed.long()
+    weights = 1 << torch.arange(32, dtype=torch.int64)
+    bitmask = (bits.view(rows, words, 32) * weights).sum(-1).to(torch.int64)
+    bitmask = torch.where(bitmask >= 2**31, bitmask - 2**32, bitmask).to(torch.int32)
+    masked = torch.ones(rows, dtype=torch.int32)
+    masked[5] = 0  # not constrained
+    keep = torch.full((words,), -1, dtype=torch.int64)
+    keep[stop // 32] &= ~(1 << (stop % 32))
+    keep = torch.where(keep >= 2**31, keep - 2**32, keep).to(torch.int32)
+    mask = TokenMask(bitmask.cuda(), masked.cuda(), keep.cuda())
+    out = masked_argmax(logits.cuda(), mask).cpu()
+    forbid = ~allowed & masked.bool()[:, None]
+    expect = logits.float().masked_fill(forbid, float("-inf")).argmax(-1)
+    ok = [r for r in range(rows) if r != 2]  # (row 2: any token, flagged)
+    assert out[0, ok].tolist() == expect[ok].tolist()
+    assert out[1].tolist() == ended_rows(TokenMask(bitmask, masked, keep)).tolist()
+    assert out[1, 1] == 1 and out[1, 2] == 1 and out[1, 5] == 0
+
+
 @pytest.mark.parametrize("seeded", [False, True])
 def test_structured_outputs_async_scheduling_equals_sync_on_gpu(tmp_path, seeded):
     """Constrained steps stay asynchronous on CUDA (the previous tokens read before the masks

@@ -216,10 +216,13 @@ def masked_argmax(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
         return out
     bitmask, masked, keep = _checked(mask, rows, vocab)
     interpret = logits.device.type == "cpu"
+    # One program per row walks its row in blocks: the fewer, wider blocks the better while a
+    # warp keeps 32 loads in flight (on the H200, 64 rows of 151,936 bf16 logits: 50.4 us with
+    # blocks of 4,096 and 8 warps, 30.6 us with 16,384 and 16; the host waits for it).
+    block = min(max(16, triton.next_power_of_2(vocab)), 1024 if interpret else 16384)
     masked_argmax_kernel[(rows,)](
         logits, bitmask, masked, keep, out, logits.stride(0), bitmask.stride(0), vocab,
-        BLOCK=min(max(16, triton.next_power_of_2(vocab)), 1024 if interpret else 4096),
-        num_warps=1 if interpret else 8)
+        BLOCK=block, num_warps=1 if interpret else max(1, min(16, block // 1024)))
     return out
 
 
