@@ -3,8 +3,9 @@
 # benchmarks/structured_outputs.py runs against each checkout's minipaged package in turn
 # (A, B, A, B, ...), so that drift of the machine falls on both sides alike. Writes each run's
 # JSON and a summary: per way, the median tokens/s ratio to the unconstrained run and, with
-# --breakdown, the median main-thread ms per step of each part; with --runs > 1 also the
-# median over all rounds of each round's ratio (paired: the host's drift moves both sides).
+# --breakdown, the median main-thread ms per step of each part; and the median over all rounds
+# of each round's ratio to its own unconstrained run (paired: drift between rounds moves both
+# sides; the unconstrained run is each round's first, so drift within a round does not cancel).
 #
 #   bash benchmarks/structured_ab.sh A_DIR B_DIR OUT_JSON ROUNDS [benchmark arguments...]
 #

@@ -321,7 +321,7 @@ def test_structured_outputs_on_gpu_with_a_qwen3_sized_vocabulary(tmp_path):
         assert doc["n"] in range(1, 10) and doc["pet"] in ("cat", "dog")
 
 
-@pytest.mark.parametrize("vocab", [512, 32000, 151936])
+@pytest.mark.parametrize("vocab", [512, 32000, 50257, 151936])
 def test_masked_argmax_on_gpu_equals_torch(vocab):
     """The greedy rows' grammar-mask kernel as compiled for the GPU (its block and warps differ
     from the CPU interpreter's): the first maximum among each row's allowed tokens, and the flag
@@ -330,11 +330,14 @@ def test_masked_argmax_on_gpu_equals_torch(vocab):
     from minipaged.sampling.params import TokenMask
     from minipaged.structured_output.manager import ended_rows
     g = torch.Generator().manual_seed(vocab)
-    rows, words, stop = 64, (vocab + 31) // 32, vocab - 1
+    rows, words = 64, (vocab + 31) // 32
+    stop = vocab - 1 if vocab % 32 == 0 else vocab // 2 + 3  # (a last word only partly used)
     allowed = torch.rand(rows, vocab, generator=g) < 0.3
     allowed[1] = False
     allowed[1, stop] = True  # ended: the stop token only
     allowed[2] = False  # nothing allowed
+    allowed[4] = False
+    allowed[4, vocab - 1] = True  # the last token only
     logits = torch.randn(rows, vocab, generator=g).to(torch.bfloat16)
     logits[3, :] = 1.0  # ties: the first allowed one wins
     bits = torch.zeros(rows, words * 32, dtype=torch.int64)
@@ -346,7 +349,7 @@ def test_masked_argmax_on_gpu_equals_torch(vocab):
     masked[5] = 0  # not constrained
     keep = torch.full((words,), -1, dtype=torch.int64)
     keep[stop // 32] &= ~(1 << (stop % 32))
-    keep = torch.where(keep >= 2**31, keep - 2**32, keep).to(torch.int32)
+    keep = keep.to(torch.int32)  # (the low 32 bits: as manager.keep_words makes them)
     mask = TokenMask(bitmask.cuda(), masked.cuda(), keep.cuda())
     out = masked_argmax(logits.cuda(), mask).cpu()
     forbid = ~allowed & masked.bool()[:, None]

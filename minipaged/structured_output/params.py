@@ -149,19 +149,23 @@ def _grammar(kind: str, spec: str, disable_any_whitespace: bool):
 
 def check_spec(p: StructuredOutputsParams) -> None:
     """Parse the constraint once; a spec xgrammar refuses is a ValueError naming the field."""
-    error = _spec_error(p.kind, p.spec, p.disable_any_whitespace)
+    try:
+        error = _spec_error(p.kind, p.spec, p.disable_any_whitespace)
+    except Exception as e:  # anything else the parse raised (not remembered)
+        error = library_error(e)
     if error is not None:
         raise ValueError(f"structured_outputs.{p.kind} is not valid: {error}")
 
 
-@functools.lru_cache(maxsize=64)  # (at most 64 specs of MAX_SPEC_CHARS: 4 MiB)
+@functools.lru_cache(maxsize=64)  # (at most 64 specs of MAX_SPEC_CHARS characters each)
 def _spec_error(kind: str, spec: str, disable_any_whitespace: bool) -> Optional[str]:
     """xgrammar's message if it refuses the constraint, else None. Remembered for the last 64
     specs: requests mostly repeat a few schemas, a request is validated twice (when its
     `SamplingParams` is made and when the engine adds it), and parsing a large schema takes
-    about 0.3 ms, which at 64 new requests a step is a good part of a step."""
+    0.2-0.3 ms, which at 64 new requests a step is a good part of a step. Only the parser's
+    refusals are remembered; any other exception (out of memory, say) propagates."""
     try:
         _grammar(kind, spec, disable_any_whitespace)
-    except Exception as e:  # xgrammar raises RuntimeError with the parser's message
+    except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parser: RuntimeError
         return library_error(e)
     return None
