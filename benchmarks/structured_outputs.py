@@ -92,7 +92,9 @@ def write_tiny_model(folder: str) -> str:
 
 class Breakdown:
     """Main-thread time of the grammar rows' work under async scheduling, by part: each part is
-    a method wrapped with a timer (the class's, so every engine's). `per_step` divides by the
+    a method wrapped with a timer (the class's, so every engine's), wall time and, beside it,
+    the thread's CPU time (a part whose wall time is well above its CPU time waited: for a lock,
+    the GIL, the GPU, or a core). `per_step` divides by the
     steps of the run. Beside it, per deferred step: the window the worker's fill has (from the
     end of `start` to the sampler asking for the fill's result), how long the fill took on the
     worker, and the share of steps whose sampling waited for it (over 0.05 ms)."""
@@ -110,6 +112,7 @@ class Breakdown:
     def __init__(self):
         import importlib
         self.total: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}  # the main thread's CPU time in each part (thread_time)
         self.calls: dict[str, int] = {}
         self.windows: list[float] = []
         self.fills: list[float] = []
@@ -149,16 +152,17 @@ class Breakdown:
 
     def _timed(self, name, fn):
         def timed(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.total[name] = self.total.get(name, 0.0) + time.perf_counter() - t0
+                self.cpu[name] = self.cpu.get(name, 0.0) + time.thread_time() - c0
                 self.calls[name] = self.calls.get(name, 0) + 1
         return timed
 
     def clear(self) -> None:
-        for kept in (self.total, self.calls, self.windows, self.fills, self.waits):
+        for kept in (self.total, self.cpu, self.calls, self.windows, self.fills, self.waits):
             kept.clear()
 
     def per_step(self, steps: int) -> dict:
@@ -166,6 +170,10 @@ class Breakdown:
             return round(1e3 * sorted(xs)[len(xs) // 2], 3) if xs else None
         return {"host_ms_per_step": {k: round(1e3 * self.total.get(k, 0.0) / max(steps, 1), 3)
                                      for k in self.PARTS},
+                # of that, the main thread on a CPU (the rest it waited: a lock, the GIL, the
+                # GPU, or the OS running something else)
+                "host_cpu_ms_per_step": {k: round(1e3 * self.cpu.get(k, 0.0) / max(steps, 1), 3)
+                                         for k in self.PARTS},
                 **{k: self.calls.get(k, 0) for k in self.COUNTS},
                 "fill_window_ms_median": median_ms(self.windows),
                 "worker_fill_ms_median": median_ms(self.fills),
@@ -315,8 +323,9 @@ def main() -> None:
               f"{'-' if ms is None else f'{ms:.3f}':>13} {r['mask_share_of_time']:>10.1%}")
     if host is not None:
         for name, r in results.items():
-            print(f"{name:<18} main thread ms/step: " + ", ".join(
-                f"{k} {v:.3f}" for k, v in r["host_ms_per_step"].items())
+            print(f"{name:<18} main thread ms/step (of which on a CPU): " + ", ".join(
+                f"{k} {v:.3f} ({r['host_cpu_ms_per_step'][k]:.3f})"
+                for k, v in r["host_ms_per_step"].items())
                   + f"; fill window {r['fill_window_ms_median']} ms, worker's fill "
                   f"{r['worker_fill_ms_median']} ms (medians), steps waiting for it "
                   f"{r['share_of_steps_waiting_for_the_fill']}")

@@ -115,5 +115,7 @@ def test_the_benchmarks_host_breakdown_runs_on_a_tiny_model_of_this_vocabulary(t
         parts = res[way]["host_ms_per_step"]
         assert all(parts[k] > 0 for k in ("start", "batched accept", "fill wait", "token_mask",
                                            "sample_masked")), parts
+        cpu = res[way]["host_cpu_ms_per_step"]
+        assert all(0 <= cpu[k] <= parts[k] + 0.05 for k in parts) and cpu["start"] > 0, cpu
         assert res[way]["same-batch steps"] > 0 and res[way]["worker_fill_ms_median"] > 0
         assert res[way]["first_output"].startswith("[")
