@@ -3,7 +3,9 @@ block widths and warp counts: GPU time per launch for 64 rows of Qwen3's 151,936
 (random logits and masks; each configuration first checked to give `masked_argmax`'s tokens).
 Needs a CUDA GPU. `masked_argmax` launches the fastest one (blocks of 16,384, 16 warps).
 
-    python benchmarks/masked_argmax_blocks.py    # -> benchmarks/results/masked_argmax_blocks_<gpu>.json
+    python benchmarks/masked_argmax_blocks.py
+
+writes benchmarks/results/masked_argmax_blocks_<gpu>.json.
 """
 from __future__ import annotations
 
@@ -53,8 +55,8 @@ def main() -> None:
         results.append({"block": block, "num_warps": warps, "gpu_us_per_launch": round(us, 1)})
         print(f"BLOCK {block:6d} warps {warps:3d}: {us:6.1f} us")
     gpu = "h200" if "H200" in torch.cuda.get_device_name() else "cuda"
-    out = {"benchmark": "masked_argmax_blocks", "command": "python benchmarks/masked_argmax_blocks.py",
-           "rows": rows, "vocab": vocab, "dtype": "bfloat16", "launches": launches,
+    out = {"benchmark": "masked_argmax_blocks",
+           "command": "python benchmarks/masked_argmax_blocks.py", "rows": rows, "vocab": vocab, "dtype": "bfloat16", "launches": launches,
            "results": results, "environment": environment()}
     path = ROOT / "benchmarks" / "results" / f"masked_argmax_blocks_{gpu}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")

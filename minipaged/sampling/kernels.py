@@ -216,9 +216,9 @@ def masked_argmax(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
         return out
     bitmask, masked, keep = _checked(mask, rows, vocab)
     interpret = logits.device.type == "cpu"
-    # One program per row walks its row in blocks: the fewer, wider blocks the better while a
-    # warp keeps 32 loads in flight (on the H200, 64 rows of 151,936 bf16 logits: 50.4 us with
-    # blocks of 4,096 and 8 warps, 30.6 us with 16,384 and 16; the host waits for it).
+    # One program per row walks its row in blocks; wider blocks with more warps were faster on
+    # the H200 (64 rows of 151,936 bf16 logits: 50.4 us in blocks of 4,096 with 8 warps, 30.6 us
+    # in 16,384 with 16; benchmarks/masked_argmax_blocks.py), and the host waits for it.
     block = min(max(16, triton.next_power_of_2(vocab)), 1024 if interpret else 16384)
     masked_argmax_kernel[(rows,)](
         logits, bitmask, masked, keep, out, logits.stride(0), bitmask.stride(0), vocab,
