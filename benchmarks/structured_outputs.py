@@ -22,7 +22,8 @@ into a temporary folder first (benchmarks/synthetic_tokenizer.py: byte-level BPE
 deterministic) and passes it as `LLM(..., tokenizer=...)`. There the bitmask is copied to the GPU
 and applied inside the sampling kernels (async scheduling, the CUDA default, fills the masks on
 a worker thread and never calls `apply_masks`, so the mask columns stay empty there). `--runs N`
-repeats the three ways N times, interleaved, and reports each way's median. The output file is named after the device and model
+repeats the three ways N times, interleaved (every other round in reverse order), and reports
+each way's median. The output file is named after the device and model
 (structured_outputs_h200_qwen3-0.6b.json on an H200) unless `--out` says otherwise.
 `--num-requests` and `--max-tokens` shrink the workload for a quick check.
 
@@ -264,8 +265,10 @@ def main() -> None:
                         for i in range(len(warm))], use_tqdm=False)
     ways = [("none", 0), ("all constrained", 1), ("half constrained", 2)]
     runs: dict[str, list[dict]] = {name: [] for name, _ in ways}
-    for _ in range(a.runs):
-        for name, every in ways:
+    for r in range(a.runs):
+        # ABBA: odd rounds run the ways in reverse, so that a drift of the host's speed within
+        # a round favours the constrained ways in one round and the unconstrained in the next
+        for name, every in (ways if r % 2 == 0 else ways[::-1]):
             params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True,
                                      structured_outputs=so if every and i % every == 0 else None)
                       for i, m in enumerate(max_tokens)]
@@ -294,7 +297,8 @@ def main() -> None:
     for name, r in results.items():
         r["ratio_to_none"] = round(r["tokens_per_sec"] / base, 3)
         # Each round's ratio to that round's unconstrained run (the three ways run one after
-        # the other): a host whose speed drifts between rounds moves both sides of a pair.
+        # the other): a host whose speed drifts between rounds moves both sides of a pair, and
+        # the alternating order cancels a steady drift within rounds.
         paired = [x["tokens_per_sec"] / n["tokens_per_sec"] for x, n in zip(runs[name],
                                                                              runs["none"])]
         r["ratio_to_none_per_round"] = [round(x, 3) for x in paired]
@@ -312,6 +316,7 @@ def main() -> None:
                          if a.synthetic_vocab or a.tiny_model else a.tokenizer or "the model's"),
            "workload": workload, "library": "xgrammar " + version("xgrammar"),
            "vocab_size": eng.model_config.vocab_size, "schema": SCHEMA, "runs": a.runs,
+           "order": "rounds alternate: none, all, half; then half, all, none",
            "results": results, "environment": environment(), "torch_threads":
                torch.get_num_threads()}
     print(f"{'run':<18} {'tok/s':>8} {'ratio':>6} {'paired':>6} {'steps':>6} "

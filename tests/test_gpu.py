@@ -351,13 +351,22 @@ def test_masked_argmax_on_gpu_equals_torch(vocab):
     keep[stop // 32] &= ~(1 << (stop % 32))
     keep = keep.to(torch.int32)  # (the low 32 bits: as manager.keep_words makes them)
     mask = TokenMask(bitmask.cuda(), masked.cuda(), keep.cuda())
-    out = masked_argmax(logits.cuda(), mask).cpu()
     forbid = ~allowed & masked.bool()[:, None]
     expect = logits.float().masked_fill(forbid, float("-inf")).argmax(-1)
-    ok = [r for r in range(rows) if r != 2]  # (row 2: any token, flagged)
-    assert out[0, ok].tolist() == expect[ok].tolist()
-    assert out[1].tolist() == ended_rows(TokenMask(bitmask, masked, keep)).tolist()
-    assert out[1, 1] == 1 and out[1, 2] == 1 and out[1, 5] == 0
+    ended = ended_rows(TokenMask(bitmask, masked, keep))
+    dev_logits = logits.cuda()
+    # the same logits 2 bytes into a wider buffer: not 16-byte aligned, another row stride
+    wide = torch.zeros(rows, vocab + 1, dtype=torch.bfloat16, device="cuda")
+    wide[:, 1:] = dev_logits
+    # Each twice: the second launch of a variant goes through its compiled launcher
+    # (kernels.CompiledLaunch); fewer rows are another grid of the same variant.
+    for x, n in [(dev_logits, rows), (dev_logits, rows), (wide[:, 1:], rows),
+                 (wide[:, 1:], rows), (dev_logits[:17], 17)]:
+        out = masked_argmax(x, mask).cpu()
+        ok = [r for r in range(n) if r != 2]  # (row 2: any token, flagged)
+        assert out[0, ok].tolist() == expect[ok].tolist()
+        assert out[1].tolist() == ended[:n].tolist()
+        assert out[1, 1] == 1 and out[1, 2] == 1 and out[1, 5] == 0
 
 
 @pytest.mark.parametrize("seeded", [False, True])

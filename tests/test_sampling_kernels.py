@@ -161,3 +161,69 @@ def test_kernel_applies_grammar_masks_and_flags_rows_that_allow_only_stop_tokens
     both = gumbel_sample(logits, inv_t, seed=4, chunk=256, mask=everything)
     assert both[0].tolist() == gumbel_sample(logits, inv_t, seed=4, chunk=256).tolist()
     assert both[1].tolist() == [0] * rows
+
+
+def test_compiled_launch_reuses_a_variant_only_for_the_same_specialisation(monkeypatch):
+    """kernels.CompiledLaunch, with a stand-in for a Triton kernel and the CUDA driver: the first
+    launch of a variant goes through `kernel[grid](...)` and keeps what it returns; a launch with
+    the same dtypes, 16-byte alignment and integer values calls that variant's launcher with the
+    grid padded to 3, the current stream and the constexprs after the arguments; another
+    alignment, integer or device, or a launch hook (a profiler), takes `kernel[grid]` again."""
+    import types
+
+    import triton
+
+    from minipaged.sampling import kernels
+
+    jit_calls, runs = [], []
+
+    class Compiled:
+        function, packed_metadata = "function", "metadata"
+
+        def run(self, *args):
+            runs.append(args)
+
+    class Kernel:
+        arg_names = ["y_ptr", "x_ptr", "n", "BLOCK"]
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                jit_calls.append((grid, args, kwargs))
+                return Compiled()
+            return launch
+
+    device = [0]
+    driver = types.SimpleNamespace(active=types.SimpleNamespace(
+        get_current_device=lambda: device[0], get_current_stream=lambda d: 100 + d))
+    monkeypatch.setattr(triton.runtime, "driver", driver)
+
+    class OnCuda:  # what CompiledLaunch reads of its first argument
+        device = torch.device("cuda", 0)
+
+    launch = kernels.CompiledLaunch(Kernel())
+    buf = torch.zeros(64, dtype=torch.int32)
+    first = OnCuda()
+    launch((4,), first, buf, 7, num_warps=2, BLOCK=16)  # new: Triton's path
+    assert len(jit_calls) == 1 and not runs
+    launch((8, 2), first, buf, 7, num_warps=2, BLOCK=16)  # same variant, another grid
+    assert len(jit_calls) == 1
+    assert runs == [(8, 2, 1, 100, "function", "metadata", None, None, None, first, buf, 7, 16)]
+    launch((4,), first, buf[1:], 7, num_warps=2, BLOCK=16)  # 4 bytes in: not 16-byte aligned
+    launch((4,), first, buf, 9, num_warps=2, BLOCK=16)  # another integer
+    launch((4,), first, buf, 7, num_warps=4, BLOCK=16)  # other warps
+    launch((4,), first, buf, 7, num_warps=2, BLOCK=32)  # another constexpr
+    device[0] = 1
+    launch((4,), first, buf, 7, num_warps=2, BLOCK=16)  # another current device
+    assert len(jit_calls) == 6 and len(runs) == 1
+    device[0] = 0
+    launch((4,), first, buf[4:], 7, num_warps=2, BLOCK=16)  # 16 bytes in: the first variant
+    assert len(jit_calls) == 6 and len(runs) == 2
+    hook = lambda metadata: None  # noqa: E731
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        launch((4,), first, buf, 7, num_warps=2, BLOCK=16)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(jit_calls) == 7 and len(runs) == 2
+    with pytest.raises(AssertionError):  # constexprs out of the kernel's order
+        kernels.CompiledLaunch(Kernel())((4,), first, buf, num_warps=2, BLOCK=16, n=7)
