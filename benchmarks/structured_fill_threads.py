@@ -11,7 +11,8 @@ median fill, and the process's CPU time in the 2 ms after a fill while the main 
 Beside it, the host time of the main thread's part of a constrained step (the bitmask's copy to
 the GPU and the masked argmax's launch: `token_mask` and `sample_masked`) timed four ways: back
 to back; right after waking from a 0.2 ms wait for another thread (the engine's hand-overs);
-after a 3 ms sleep; right after a fill. And the cost of one small host-to-GPU copy while a fill
+after a 3 ms sleep; right after a fill (the last three each after a CUDA synchronize, the GPU
+idle; benchmarks/structured_wait_ways.py varies the way of waiting). And the cost of one small host-to-GPU copy while a fill
 runs on another thread. Needs a CUDA GPU (~1 min, most of it building the tokenizer).
 
     python benchmarks/structured_fill_threads.py
