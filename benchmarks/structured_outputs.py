@@ -265,9 +265,11 @@ def main() -> None:
                         for i in range(len(warm))], use_tqdm=False)
     ways = [("none", 0), ("all constrained", 1), ("half constrained", 2)]
     runs: dict[str, list[dict]] = {name: [] for name, _ in ways}
+    order_by_round = []
     for r in range(a.runs):
         # ABBA: odd rounds run the ways in reverse, so that a drift of the host's speed within
         # a round favours the constrained ways in one round and the unconstrained in the next
+        order_by_round.append([name for name, _ in (ways if r % 2 == 0 else ways[::-1])])
         for name, every in (ways if r % 2 == 0 else ways[::-1]):
             params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True,
                                      structured_outputs=so if every and i % every == 0 else None)
@@ -317,6 +319,7 @@ def main() -> None:
            "workload": workload, "library": "xgrammar " + version("xgrammar"),
            "vocab_size": eng.model_config.vocab_size, "schema": SCHEMA, "runs": a.runs,
            "order": "rounds alternate: none, all, half; then half, all, none",
+           "order_by_round": order_by_round,
            "results": results, "environment": environment(), "torch_threads":
                torch.get_num_threads()}
     print(f"{'run':<18} {'tok/s':>8} {'ratio':>6} {'paired':>6} {'steps':>6} "

@@ -100,16 +100,21 @@ def test_bad_arguments_are_refused_naming_them(tmp_path):
 def test_the_benchmarks_host_breakdown_runs_on_a_tiny_model_of_this_vocabulary(tmp_path):
     """`structured_outputs.py --tiny-model --async-scheduling --breakdown` (the host's grammar
     work per step without a GPU) times the engine's real methods: a rename would leave its
-    columns at zero, so they must be filled for the constrained ways and empty for none."""
+    columns at zero, so they must be filled for the constrained ways and empty for none; and
+    its rounds alternate the order of the ways."""
     import subprocess
     out = tmp_path / "breakdown.json"
     subprocess.run([sys.executable, str(BENCH / "structured_outputs.py"), "--tiny-model",
                     "--async-scheduling", "--breakdown", "--num-requests", "8",
-                    "--max-tokens", "12", "--out", str(out)], check=True, capture_output=True,
+                    "--max-tokens", "12", "--runs", "2", "--out", str(out)], check=True,
+                   capture_output=True,
                    env={**os.environ, "OMP_NUM_THREADS": "1"})
     got = json.loads(out.read_text())
     assert got["async_scheduling"] is True and got["vocab_size"] == QWEN3_VOCAB
+    ways = ["none", "all constrained", "half constrained"]
+    assert got["order_by_round"] == [ways, ways[::-1]]  # the second round in reverse
     res = got["results"]
+    assert all(len(r["ratio_to_none_per_round"]) == 2 for r in res.values())
     assert not any(res["none"]["host_ms_per_step"].values())
     for way in ("all constrained", "half constrained"):
         parts = res[way]["host_ms_per_step"]
