@@ -197,12 +197,14 @@ def test_compiled_launch_reuses_a_variant_only_for_the_same_specialisation(monke
         get_current_device=lambda: device[0], get_current_stream=lambda d: 100 + d))
     monkeypatch.setattr(triton.runtime, "driver", driver)
 
-    class OnCuda:  # what CompiledLaunch reads of its first argument
-        device = torch.device("cuda", 0)
+    class OnCuda(torch.Tensor):  # a CPU tensor that says it is on the GPU
+        @property
+        def device(self):
+            return torch.device("cuda", 0)
 
     launch = kernels.CompiledLaunch(Kernel())
     buf = torch.zeros(64, dtype=torch.int32)
-    first = OnCuda()
+    first = torch.zeros(8).as_subclass(OnCuda)
     launch((4,), first, buf, 7, num_warps=2, BLOCK=16)  # new: Triton's path
     assert len(jit_calls) == 1 and not runs
     launch((8, 2), first, buf, 7, num_warps=2, BLOCK=16)  # same variant, another grid
@@ -227,3 +229,5 @@ def test_compiled_launch_reuses_a_variant_only_for_the_same_specialisation(monke
     assert len(jit_calls) == 7 and len(runs) == 2
     with pytest.raises(AssertionError):  # constexprs out of the kernel's order
         kernels.CompiledLaunch(Kernel())((4,), first, buf, num_warps=2, BLOCK=16, n=7)
+    with pytest.raises(AssertionError):  # a bool would share an int's variant (True == 1)
+        kernels.CompiledLaunch(Kernel())((4,), first, buf, True, num_warps=2, BLOCK=16)

@@ -204,11 +204,12 @@ class CompiledLaunch:
     time a launch of masked_argmax_kernel on the H200's host, against 15 us through the compiled
     variant's launcher (benchmarks/masked_argmax_launch.py), and a host-bound decode step pays it
     on its critical path. Variants are kept, per device, by what Triton specialises on: each
-    tensor's dtype and whether its address is a multiple of 16, and each other argument's value
-    (stricter than Triton's "1 / divisible by 16", so never a wrong variant; meant for kernels
-    whose integer arguments take few values). The first launch of a variant, the interpreter,
-    and a launch hook (a profiler) take Triton's own path. (A cache of compiled code, as
-    Triton's own is.)"""
+    tensor's dtype and whether its address is a multiple of 16, and each integer's value
+    (stricter than Triton's "1 / divisible by 16", so never a wrong variant). The arguments are
+    tensors and ints only, the ints taking few values (strides, sizes); the kernel uses no
+    globals that change and has no pre-run hooks, which Triton's path checks and this one does
+    not. The first launch of a variant, the interpreter, and a launch hook (a profiler) take
+    Triton's own path. (A cache of compiled code, as Triton's own is.)"""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -227,6 +228,7 @@ class CompiledLaunch:
         compiled = self.variants.get(key)
         if compiled is None or _launch_hooked():
             assert list(constexprs) == self.kernel.arg_names[len(args):], list(constexprs)
+            assert all(isinstance(a, torch.Tensor) or type(a) is int for a in args), args
             self.variants[key] = self.kernel[grid](*args, num_warps=num_warps, **constexprs)
             return
         stream = triton.runtime.driver.active.get_current_stream(device)
