@@ -56,8 +56,9 @@ def main() -> None:
         print(f"BLOCK {block:6d} warps {warps:3d}: {us:6.1f} us")
     gpu = "h200" if "H200" in torch.cuda.get_device_name() else "cuda"
     out = {"benchmark": "masked_argmax_blocks",
-           "command": "python benchmarks/masked_argmax_blocks.py", "rows": rows, "vocab": vocab, "dtype": "bfloat16", "launches": launches,
-           "results": results, "environment": environment()}
+           "command": "python benchmarks/masked_argmax_blocks.py", "rows": rows, "vocab": vocab,
+           "dtype": "bfloat16", "launches": launches, "results": results,
+           "environment": environment()}
     path = ROOT / "benchmarks" / "results" / f"masked_argmax_blocks_{gpu}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     print("wrote", path)

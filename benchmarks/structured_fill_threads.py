@@ -12,8 +12,9 @@ Beside it, the host time of the main thread's part of a constrained step (the bi
 the GPU and the masked argmax's launch: `token_mask` and `sample_masked`) timed four ways: back
 to back; right after waking from a 0.2 ms wait for another thread (the engine's hand-overs);
 after a 3 ms sleep; right after a fill (the last three each after a CUDA synchronize, the GPU
-idle; benchmarks/structured_wait_ways.py varies the way of waiting). And the cost of one small host-to-GPU copy while a fill
-runs on another thread. Needs a CUDA GPU (~1 min, most of it building the tokenizer).
+idle; benchmarks/structured_wait_ways.py varies the way of waiting). And the cost of one small
+host-to-GPU copy while a fill runs on another thread. Needs a CUDA GPU (~1 min, most of it
+building the tokenizer).
 
     python benchmarks/structured_fill_threads.py
 
@@ -60,6 +61,29 @@ def advanced_matchers(xgr, compiled, bitmask, seed: int = 0) -> list:
     return matchers
 
 
+def step_part_timer(bitmask):
+    """The main thread's part of a constrained step on the GPU for `bitmask` ((ROWS, words) int32,
+    pinned): `token_mask`'s copy of it, then `sample_masked`'s launch over random bf16 logits.
+    Returns a function that runs it once and returns its host time in seconds."""
+    import torch
+
+    from minipaged.sampling import kernels as K
+    from minipaged.sampling.params import TokenMask
+    dev = torch.device("cuda")
+    logits = torch.randn(ROWS, VOCAB, device=dev).to(torch.bfloat16)
+    masked = torch.ones(ROWS, dtype=torch.int32, device=dev)
+    keep = torch.full(((VOCAB + 31) // 32,), -1, dtype=torch.int32, device=dev)
+    copied = torch.cuda.Event()
+
+    def step_part() -> float:
+        t0 = time.perf_counter()
+        on_gpu = bitmask.to(dev, non_blocking=True)
+        copied.record()
+        K.masked_argmax(logits, TokenMask(on_gpu, masked, keep))
+        return time.perf_counter() - t0
+    return step_part
+
+
 def main() -> None:
     import torch
     import xgrammar as xgr
@@ -68,8 +92,6 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from minipaged.lessons.bench import environment
-    from minipaged.sampling import kernels as K
-    from minipaged.sampling.params import TokenMask
     dev = torch.device("cuda")
     with tempfile.TemporaryDirectory() as folder:
         tokenizer = AutoTokenizer.from_pretrained(write_synthetic_tokenizer(folder, VOCAB))
@@ -77,18 +99,7 @@ def main() -> None:
     compiled = xgr.GrammarCompiler(info, max_threads=1).compile_json_schema(json.dumps(SCHEMA))
     bitmask = xgr.allocate_token_bitmask(ROWS, VOCAB).pin_memory()
     matchers = advanced_matchers(xgr, compiled, bitmask)
-    logits = torch.randn(ROWS, VOCAB, device=dev).to(torch.bfloat16)
-    words = (VOCAB + 31) // 32
-    masked = torch.ones(ROWS, dtype=torch.int32, device=dev)
-    keep = torch.full((words,), -1, dtype=torch.int32, device=dev)
-    copied = torch.cuda.Event()
-
-    def step_part() -> float:  # token_mask's copy, then sample_masked's launch
-        t0 = time.perf_counter()
-        on_gpu = bitmask.to(dev, non_blocking=True)
-        copied.record()
-        K.masked_argmax(logits, TokenMask(on_gpu, masked, keep))
-        return time.perf_counter() - t0
+    step_part = step_part_timer(bitmask)
 
     def small_copy(n: int = 10) -> float:
         t0 = time.perf_counter()

@@ -269,8 +269,9 @@ def main() -> None:
     for r in range(a.runs):
         # ABBA: odd rounds run the ways in reverse, so that a drift of the host's speed within
         # a round favours the constrained ways in one round and the unconstrained in the next
-        order_by_round.append([name for name, _ in (ways if r % 2 == 0 else ways[::-1])])
-        for name, every in (ways if r % 2 == 0 else ways[::-1]):
+        order = ways if r % 2 == 0 else ways[::-1]
+        order_by_round.append([name for name, _ in order])
+        for name, every in order:
             params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True,
                                      structured_outputs=so if every and i % every == 0 else None)
                       for i, m in enumerate(max_tokens)]

@@ -25,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def blocking(lock) -> None:
@@ -46,23 +47,11 @@ def spinning(lock) -> None:
 def main() -> None:
     import torch
 
-    from minipaged.lessons.bench import environment
-    from minipaged.sampling import kernels as K
-    from minipaged.sampling.params import TokenMask
-    dev, vocab, rows = torch.device("cuda"), 151936, 64
-    words = (vocab + 31) // 32
-    bitmask = torch.zeros(rows, words, dtype=torch.int32).pin_memory()
-    logits = torch.randn(rows, vocab, device=dev).to(torch.bfloat16)
-    masked = torch.ones(rows, dtype=torch.int32, device=dev)
-    keep = torch.full((words,), -1, dtype=torch.int32, device=dev)
-    copied = torch.cuda.Event()
+    from structured_fill_threads import ROWS, VOCAB, step_part_timer
 
-    def step_part() -> float:
-        t0 = time.perf_counter()
-        on_gpu = bitmask.to(dev, non_blocking=True)
-        copied.record()
-        K.masked_argmax(logits, TokenMask(on_gpu, masked, keep))
-        return time.perf_counter() - t0
+    from minipaged.lessons.bench import environment
+    bitmask = torch.zeros(ROWS, (VOCAB + 31) // 32, dtype=torch.int32).pin_memory()
+    step_part = step_part_timer(bitmask)
     for _ in range(50):
         step_part()
     ways = {"blocking acquire": blocking, "poll sleep(0)": polling(0),
@@ -97,7 +86,8 @@ def main() -> None:
     path = ROOT / "benchmarks" / "results" / f"structured_wait_ways_{gpu}.json"
     path.write_text(json.dumps({
         "benchmark": "structured_wait_ways", "command": "python benchmarks/structured_wait_ways.py",
-        "rows": rows, "vocab": vocab, "by_way": results, "step_part_us_back_to_back": back_to_back,
+        "rows": ROWS, "vocab": VOCAB, "by_way": results,
+        "step_part_us_back_to_back": back_to_back,
         "environment": environment()}, indent=1) + "\n")
     print("wrote", path)
 
