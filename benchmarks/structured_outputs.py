@@ -106,7 +106,6 @@ class Breakdown:
              "fill wait": ("minipaged.structured_output.background", "FillJob", "result"),
              "token_mask": ("minipaged.structured_output.manager", "StructuredOutputManager",
                             "token_mask"),
-             "masked graph": ("minipaged.sampling.masked_graphs", "MaskedArgmaxGraphs", "run"),
              "sample_masked": ("minipaged.sampling.sampler", "Sampler", "sample_masked")}
     COUNTS = {"same-batch steps": ("minipaged.structured_output.background", "BackgroundFill",
                                    "_advance_same_batch")}

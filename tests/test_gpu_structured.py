@@ -142,8 +142,6 @@ def test_structured_outputs_async_scheduling_equals_sync_on_gpu(tmp_path, seeded
             outs += eng.step()
             in_flight += flag and eng.async_scheduling.pending is not None
         done = {o.request_id: o.outputs[0] for o in outs if o.finished}
-        if flag:  # greedy rows sampled from a CUDA graph (sampling/masked_graphs.py), seeded not
-            assert bool(eng.async_scheduling.masked_graphs.graphs) is not seeded
         res.append([done[str(i)].token_ids for i in range(len(prompts))])
         assert all(done[str(i)].text.startswith("[") for i in range(len(prompts)))
         del llm, eng

@@ -159,11 +159,6 @@ class Sampler:
         seed = int(torch.randint(2**31 - 1, (1,), generator=self._host_generator))
         return gumbel_sample(logits, inv_t, seed, mask=mask)
 
-    def greedy_in_kernel(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> bool:
-        """Would `sample_masked` take the rows in one masked argmax (all greedy, kernels on)?"""
-        kernel, inv_t = self._rows_plan(logits, seqs)
-        return kernel and inv_t is None
-
     def _rows_plan(self, logits: torch.Tensor, seqs: Seq[Sequence]):
         """(do the kernels apply, the rows' 1 / T on the device or None if all are greedy),
         kept while the rows are the same sequences (`Sequence` compares by identity)."""

@@ -84,7 +84,6 @@ class StructuredOutputManager:
         self._masked: Optional[torch.Tensor] = None  # (max_num_seqs,) int32: row constrained?
         self._keep: dict[torch.device, torch.Tensor] = {}  # device -> the non-stop tokens' bits
         self._last_masked = None  # (rows, num_rows, their flags on the device): token_mask's
-        self._last_host_rows = None  # (rows, num_rows) marked in the host flags: host_mask's
         self._copied = None  # CUDA event: the last copy out of the host buffers is done
         self._one_row: Optional[torch.Tensor] = None  # (1, ceil(vocab / 32)): has it ended?
         self.advance_on_fill = False  # set by async scheduling: see `accept`
@@ -173,7 +172,6 @@ class StructuredOutputManager:
                 self._indices = self._indices.pin_memory()
                 self._masked = self._masked.pin_memory()
             self._copied = None
-            self._last_host_rows = None
         if self._batch is None:
             self._batch = xgr.BatchGrammarMatcher(self.max_threads)
         if self._copied is not None:
@@ -226,7 +224,6 @@ class StructuredOutputManager:
             flags[rows] = 1
             masked = self._masked[:num_rows].to(device, non_blocking=True)
             self._last_masked = (rows, num_rows, masked)
-            self._last_host_rows = None
         mask = TokenMask(self._bitmask[:num_rows].to(device, non_blocking=True), masked,
                          self.keep_words(device))
         if device.type == "cuda":
@@ -234,27 +231,6 @@ class StructuredOutputManager:
                 self._copied = torch.cuda.Event()
             self._copied.record()  # (re-recorded: synchronize waits for the latest copy)
         return mask
-
-    def host_mask(self, rows: list[int], num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The host bitmask and row flags (pinned; rows [:num_rows] are the step's, `rows`
-        marked constrained), for a caller that queues their copies itself (a CUDA graph,
-        sampling/masked_graphs.py) and then calls `copies_queued`."""
-        last = self._last_host_rows
-        if last is None or last[0] is not rows or last[1] != num_rows:
-            if self._copied is not None:
-                self._copied.synchronize()  # the last copy of the flags has left
-            flags = self._masked.numpy()
-            flags[:num_rows] = 0
-            flags[rows] = 1
-            self._last_host_rows = (rows, num_rows)
-            self._last_masked = None
-        return self._bitmask, self._masked
-
-    def copies_queued(self) -> None:
-        """The host buffers' copies are queued: the next fill waits for them (prepare_buffers)."""
-        if self._copied is None:
-            self._copied = torch.cuda.Event()
-        self._copied.record()
 
     def keep_words(self, device: torch.device) -> torch.Tensor:
         """(ceil(vocab / 32),) int32 on `device`: every token's bit set but the stop tokens'. A

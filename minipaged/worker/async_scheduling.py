@@ -79,12 +79,6 @@ class PendingStep:
         else:
             self._host, self._ready = tokens, None
 
-    def copying(self, tokens: torch.Tensor, host: torch.Tensor) -> None:
-        """As `start_copy`, for (2, num_seqs) tokens whose copy into pinned `host` is queued."""
-        self._tokens, self._host = tokens[0], host
-        self._ready = torch.cuda.Event()
-        self._ready.record()
-
     @property
     def tokens(self) -> torch.Tensor:
         return self._tokens
@@ -163,10 +157,6 @@ class AsyncScheduling:
         from minipaged.structured_output.background import BackgroundFill
         self.fill = BackgroundFill(engine.structured_output)  # grammar rows' masks, off-thread
         engine.structured_output.advance_on_fill = True
-        self.masked_graphs = None  # a greedy constrained step's sampling, from CUDA graphs
-        if engine.config.use_cuda_graphs:
-            from minipaged.sampling.masked_graphs import MaskedArgmaxGraphs
-            self.masked_graphs = MaskedArgmaxGraphs(engine.config.max_num_seqs, engine.device)
         engine.step = self.step
         engine.has_unfinished_requests = self.has_unfinished_requests
 
@@ -264,17 +254,6 @@ class AsyncScheduling:
         logits, seqs = step.logits, step.seqs
         step.logits = step.fill = None
         generators = failures.save_generators(seqs)
-        graphs = self.masked_graphs
-        if (rows and graphs is not None and graphs.can_run(logits, mgr.host_mask(rows, len(seqs))[0])
-                and eng.sampler.greedy_in_kernel(logits, seqs)):
-            try:
-                out, host = graphs.run(logits, *mgr.host_mask(rows, len(seqs)),
-                                       mgr.keep_words(logits.device))
-                mgr.copies_queued()
-                step.copying(out, host)
-                return
-            except Exception:
-                pass  # sampled below, where a row that raises fails alone
         try:
             mask = mgr.token_mask(rows, len(seqs), logits.device) if rows else None
             out = None if mask is None else eng.sampler.sample_masked(logits, seqs, mask)
