@@ -68,7 +68,9 @@ def test_completions_response_format_and_guided_fields(client, stream):
               lambda t: re.fullmatch(r"[A-Z][a-z]{1,8} is \d{1,2}\.", t) or 1 / 0),
              ({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no") or 1 / 0),
              ({"structured_outputs": {"regex": "(cat|dog)s?"}},
-              lambda t: re.fullmatch("(cat|dog)s?", t) or 1 / 0)]
+              lambda t: re.fullmatch("(cat|dog)s?", t) or 1 / 0),
+             ({"guided_grammar": 'root ::= "Lily " ("ran" | "sat" | "saw " [a-z]+) "."'},
+              lambda t: re.fullmatch(r"Lily (ran|sat|saw [a-z]+)\.", t) or 1 / 0)]
     for extra, check in cases:
         kw = dict(model="stories260K", prompt="Once upon a time", max_tokens=200, temperature=0.7,
                   seed=1, n=2, extra_body=extra)
@@ -115,6 +117,8 @@ BAD = [
     ("/v1/completions", {"response_format": {"type": "yaml"}}, "response_format"),
     ("/v1/completions", {"guided_grammar": "root ::= nowhere"}, "guided_grammar"),
     ("/v1/completions", {"guided_regex": "a" * 70000}, "guided_regex"),
+    ("/v1/completions", {"guided_grammar": 'root ::= "' + "a" * 70000 + '"'}, "guided_grammar"),
+    ("/v1/completions", {"guided_json": {"enum": ["a" * 70000]}}, "guided_json"),
     ("/v1/completions", {"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ("/v1/chat/completions", {"tools": TOOLS,
                               "tool_choice": {"type": "function",
@@ -206,6 +210,10 @@ def test_auto_with_the_hermes_parser(client, stream):
               tools=TOOLS, tool_choice="auto", extra_body={"guided_regex": HERMES})
     if stream:
         calls, content, reason = _reassemble(client.chat.completions.create(**kw, stream=True))
+        whole = client.chat.completions.create(**kw).choices[0].message  # the same, seeded
+        assert [{"name": c.function.name, "arguments": c.function.arguments}
+                for c in whole.tool_calls] == calls
+        assert whole.content.strip() == content.strip()
     else:
         ch = client.chat.completions.create(**kw).choices[0]
         content, reason = ch.message.content, ch.finish_reason

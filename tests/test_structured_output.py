@@ -94,6 +94,47 @@ def test_grammar_and_json_object(llm):
             assert isinstance(json.loads(c.text), dict)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_grammar_at_its_end_finishes_the_request_without_a_stop_token(async_scheduling):
+    """With ignore_eos a stop token ends nothing, so only the grammar's own end can: once its
+    mask allows stop tokens only, the request finishes ("stop") with no EOS among its tokens."""
+    llm = LLM("stories260K", block_size=8, seed=0, async_scheduling=async_scheduling)
+    eos = llm.engine.tokenizer.eos_token_id
+    for so in (SO(choice=CHOICES), SO(regex=REGEX), SO(json=FLAGS)):
+        for temperature in (0.0, 1.0):
+            params = SamplingParams(temperature=temperature, seed=0, max_tokens=300,
+                                    ignore_eos=True, structured_outputs=so)
+            for out in llm.generate(PROMPTS, params, use_tqdm=False):
+                c = out.outputs[0]
+                check_valid(so, c.text, c.finish_reason)
+                assert eos not in c.token_ids and len(c.token_ids) < 300
+
+
+def test_json_object_ends_where_the_object_does(llm, monkeypatch):
+    """stories260K never closes an object by itself (it writes pairs until max_tokens). Made to
+    prefer, after a few tokens, the allowed tokens that close a string or an object, it ends
+    exactly where the object does: the text is one whole JSON object."""
+    tok = llm.engine.tokenizer
+    texts = [tok.decode([t]) for t in range(llm.engine.model_config.vocab_size)]
+    bias = __import__("torch").tensor([1e3 * ('"' in t) + 1e3 * ("}" in t) for t in texts])
+    sampler = llm.engine.sampler
+    sample = sampler.sample
+
+    def closing(logits, seqs):
+        logits = logits.clone()
+        for i, seq in enumerate(seqs):
+            if seq.num_output_tokens >= 6:
+                logits[i] += bias.to(logits.dtype)  # (-inf, forbidden, stays -inf)
+        return sample(logits, seqs)
+    monkeypatch.setattr(sampler, "sample", closing)
+    for ws in (True, False):
+        so = SO(json_object=True, disable_any_whitespace=ws)
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=200,
+                                                    structured_outputs=so), use_tqdm=False)
+        for out in outs:
+            check_valid(so, out.outputs[0].text, out.outputs[0].finish_reason)
+
+
 def test_n_samples_each_valid_and_different(llm):
     so = SO(json=PERSON)
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=300, structured_outputs=so)

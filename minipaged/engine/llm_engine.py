@@ -49,6 +49,7 @@ from minipaged.lora.request import LoRARequest
 from minipaged.models.config import ModelConfig, parse_dtype
 from minipaged.models.loader import load_model, load_tokenizer, resolve_model
 from minipaged.sampling import SamplerOutput, SamplingParams, Sampler
+from minipaged.structured_output.compiling import GrammarCompiles
 from minipaged.structured_output.manager import StructuredOutputManager
 from minipaged.worker import make_model_runner
 from minipaged.worker.cpu_threads import apply_cpu_threads
@@ -115,6 +116,7 @@ class LLMEngine:
         # Grammar masks for requests with structured_outputs (lesson 12); idle without them.
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_ids, config.max_num_seqs)
+        self.grammar_compiles = GrammarCompiles(self.structured_output)  # ... off this thread
         self.requests: dict[str, Sequence] = {}  # unfinished requests: their first sequence
         self.groups: dict[str, SequenceGroup] = {}  # ... those with n > 1 or a beam search
         # One StepRecord per step; a bounded deque where the config caps it (a server).
@@ -186,9 +188,10 @@ class LLMEngine:
         if self.spec_decode is not None:  # n > 1 and beam search do not speculate yet
             from minipaged.spec_decode.config import check_request
             check_request(request_id, params)
-        if getattr(params, "structured_outputs", None) is not None:  # compiled for this vocabulary
+        compiling = None  # the grammar's compile for this vocabulary, if it takes a while
+        if getattr(params, "structured_outputs", None) is not None:
             try:
-                self.structured_output.compile(params.structured_outputs)
+                compiling = self.grammar_compiles.start(params.structured_outputs)
             except ValueError as e:
                 raise RequestError(f"{e} (request {request_id!r})") from None
         if lora_request is not None:  # read and checked here (lora/manager.py)
@@ -224,7 +227,10 @@ class LLMEngine:
             if beam is not None:
                 seq.logprobs = []
         self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        if compiling is None:
+            self.scheduler.add(seq)
+        else:  # it waits, not in the queue, until its grammar has compiled (compiling.py)
+            self.grammar_compiles.hold(seq, compiling)
         return seq
 
     def _live_lora_ids(self) -> set[int]:
@@ -234,6 +240,7 @@ class LLMEngine:
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
+            self.grammar_compiles.drop(rid)
             seq = self.requests.pop(rid, None)
             group = self.groups.pop(rid, None)
             for s in group.seqs if group is not None else [seq] if seq is not None else []:
@@ -241,7 +248,7 @@ class LLMEngine:
                     self.scheduler.finish(s, SequenceStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.grammar_compiles.waiting)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -264,6 +271,10 @@ class LLMEngine:
     def _schedule(self) -> SchedulerOutput:
         """Plan the step, and move swapped blocks before the forward (freed GPU blocks may be
         rewritten by this very step)."""
+        if self.grammar_compiles.waiting:  # those whose grammar has compiled join the queue
+            self.grammar_compiles.admit(self.scheduler.add, lambda seq, exc: self._fail(
+                seq, exc, self._failed_outputs, self._failed_ids),
+                idle=not self.scheduler.has_unfinished())
         sched = self.scheduler.schedule()
         if self.lora_manager is not None:  # adapters the LoRA CPU cache dropped: read again
             self._fail_unreadable_adapters(sched)

@@ -1,8 +1,9 @@
 """The engine side of structured outputs: compile per vocabulary, a matcher per sequence, the
 bitmask per step (lesson 12).
 
-    compile(request_id, params)    when a request is added: its grammar against this tokenizer's
-                                   vocabulary (cached; a refusal is a RequestError)
+    compile(params)                its grammar against this tokenizer's vocabulary (cached; a
+                                   refusal is a RequestError); a request's is compiled off the
+                                   engine's thread when it is added (compiling.py)
     apply_masks(logits, seqs)      each step, before the sampler: one bit per token per
                                    constrained row, filled for all of them in one threaded
                                    call, applied to the logits in one call (forbidden -> -inf)
@@ -101,22 +102,46 @@ class StructuredOutputManager:
         return xgr
 
     def compile(self, params: StructuredOutputsParams):
-        """The compiled grammar (cached by kind and spec); raises RequestGrammarError."""
-        key = (params.kind, params.spec, params.disable_any_whitespace)
+        """The compiled grammar (cached by kind and spec); raises RequestGrammarError. Requests
+        are compiled off the engine's thread when they are added (compiling.py)."""
+        hit = self.cached(params)
+        if hit is not None:
+            return hit
+        self.prepare_compiler()
+        compiled = self.compile_uncached(params)
+        self.remember(self.key(params), compiled)
+        return compiled
+
+    @staticmethod
+    def key(params: StructuredOutputsParams) -> tuple:
+        return (params.kind, params.spec, params.disable_any_whitespace)
+
+    def cached(self, params: StructuredOutputsParams):
+        """The compiled grammar if the cache holds it, else None."""
+        key = self.key(params)
         hit = self._compiled.get(key)
         if hit is not None:
             self._compiled.move_to_end(key)
-            return hit
+        return hit
+
+    def prepare_compiler(self) -> None:
+        """Make the compiler for this vocabulary (the first time: it reads every token)."""
         self._xgr()
+
+    def compile_uncached(self, params: StructuredOutputsParams):
+        """Compile, touching no state of this object (compiling.py runs it on a worker thread,
+        after `prepare_compiler`); raises RequestGrammarError."""
         try:
-            compiled = self._compiler.compile_grammar(grammar_of(params))
+            return self._compiler.compile_grammar(grammar_of(params))
         except Exception as e:
             raise RequestGrammarError(f"structured_outputs.{params.kind} cannot be compiled: "
                                       f"{library_error(e)}") from None
+
+    def remember(self, key: tuple, compiled) -> None:
         self._compiled[key] = compiled
+        self._compiled.move_to_end(key)
         if len(self._compiled) > self.cache_size:
             self._compiled.popitem(last=False)
-        return compiled
 
     # --- each step --------------------------------------------------------------------------
     def matcher_of(self, seq: Sequence) -> _Matcher:

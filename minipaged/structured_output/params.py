@@ -1,4 +1,5 @@
-"""`StructuredOutputsParams`: what a request's output must match (vLLM's names), checked at entry.
+"""`StructuredOutputsParams`: what a request's output must match (vLLM's names), checked at entry
+(lesson 12).
 
 Exactly one of:
 

@@ -163,7 +163,8 @@ class AsyncScheduling:
     def has_unfinished_requests(self) -> bool:
         """Tokens in flight count only for sequences that are still unfinished (an aborted or
         failed request's pending token is dropped when it is read)."""
-        return self.engine.scheduler.has_unfinished() or (
+        return self.engine.scheduler.has_unfinished() or bool(
+            self.engine.grammar_compiles.waiting) or (
             self.pending is not None and any(not s.is_finished for s in self.pending.seqs))
 
     def can_defer(self, sampling: list[Sequence]) -> bool:
