@@ -271,7 +271,9 @@ def test_a_spec_is_parsed_once_and_a_refused_one_refused_every_time(monkeypatch)
     assert len(calls) == 3
 
 
-def test_bad_constraint_added_to_engine_fails_alone(llm):
+def test_bad_constraint_added_to_engine_fails_alone(llm, monkeypatch):
+    from minipaged.structured_output import compiling
+    monkeypatch.setattr(compiling, "QUICK_S", 30.0)  # refused within add_request, however slow
     eng = llm.engine
     good = SamplingParams(temperature=0, max_tokens=300, structured_outputs=SO(choice=CHOICES))
     eng.add_request("good", "Once upon a time", good)

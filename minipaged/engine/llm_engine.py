@@ -188,12 +188,6 @@ class LLMEngine:
         if self.spec_decode is not None:  # n > 1 and beam search do not speculate yet
             from minipaged.spec_decode.config import check_request
             check_request(request_id, params)
-        compiling = None  # the grammar's compile for this vocabulary, if it takes a while
-        if getattr(params, "structured_outputs", None) is not None:
-            try:
-                compiling = self.grammar_compiles.start(params.structured_outputs)
-            except ValueError as e:
-                raise RequestError(f"{e} (request {request_id!r})") from None
         if lora_request is not None:  # read and checked here (lora/manager.py)
             processor.check_lora(request_id, lora_request, self.lora_manager)
         text, token_ids = processor.prompt_token_ids(request_id, prompt, vocab, self.tokenize)
@@ -218,6 +212,12 @@ class LLMEngine:
             if size > 1:
                 processor.check_group_fits(request_id, size, "n", 0, self.config,
                                            self.block_manager, all_resident=False)
+        compiling = None  # the grammar's compile for this vocabulary, if it takes a while
+        if getattr(params, "structured_outputs", None) is not None:  # (the last check)
+            try:
+                compiling = self.grammar_compiles.start(params.structured_outputs)
+            except ValueError as e:
+                raise RequestError(f"{e} (request {request_id!r})") from None
         seq = Sequence(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
                        prompt=text, arrival_time=arrival_time or time.time(),
                        lora_request=lora_request)
@@ -271,7 +271,7 @@ class LLMEngine:
     def _schedule(self) -> SchedulerOutput:
         """Plan the step, and move swapped blocks before the forward (freed GPU blocks may be
         rewritten by this very step)."""
-        if self.grammar_compiles.waiting:  # those whose grammar has compiled join the queue
+        if self.grammar_compiles.busy:  # those whose grammar has compiled join the queue
             self.grammar_compiles.admit(self.scheduler.add, lambda seq, exc: self._fail(
                 seq, exc, self._failed_outputs, self._failed_ids),
                 idle=not self.scheduler.has_unfinished())

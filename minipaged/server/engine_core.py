@@ -190,7 +190,8 @@ class EngineCore:
             eng.spec_decode.stats.num_drafts, eng.spec_decode.stats.num_draft_tokens,
             eng.spec_decode.stats.num_accepted_tokens,
             list(eng.spec_decode.stats.num_accepted_tokens_per_pos))
-        return EngineStats(len(sched.running), len(sched.waiting),
+        return EngineStats(len(sched.running), len(sched.waiting)  # (+ grammars compiling)
+                           + len(eng.grammar_compiles.waiting),
                            bm.num_blocks - bm.num_free_blocks, bm.num_blocks,
                            sched.num_preemptions, bm.prefix_queries, bm.prefix_hits, *spec)
 

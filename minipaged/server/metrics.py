@@ -2,7 +2,8 @@
 Lesson 07 explains it and plots them while a burst of requests runs.
 
     minipaged:num_requests_running        gauge      sequences in the running batch
-    minipaged:num_requests_waiting        gauge      queued: no seat (max_num_seqs) or no KV blocks
+    minipaged:num_requests_waiting        gauge      queued: no seat (max_num_seqs) or no KV blocks,
+                                                     or its grammar still compiling
     minipaged:kv_cache_blocks_used        gauge      blocks referenced by live sequences
     minipaged:kv_cache_blocks_total       gauge      size of the cache in blocks
     minipaged:kv_cache_usage_perc         gauge      used / total, 0..1 (vLLM's name)

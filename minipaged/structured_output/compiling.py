@@ -9,18 +9,21 @@ Compiled in `add_request`, on the engine's thread, that would stop every running
 long. So the compile runs on a worker thread (xgrammar's compiler releases
 the GIL while it works):
 
-    add_request      the grammar is cached: the request is queued at once. Otherwise its compile
-                     starts (or joins one already running for the same spec) and `add_request`
-                     waits for it up to QUICK_S: most specs compile in time, and a refusal is
-                     still a RequestError there (the server's 400). A compile that takes longer
-                     leaves the request here, waiting, not in the scheduler.
+    add_request      the grammar is cached: the request is queued at once. Otherwise, as its
+                     last check, its compile starts and `add_request` waits for it up to
+                     QUICK_S (if a worker is free to start it at once): most specs compile in
+                     time, and a refusal is still a RequestError there (the server's 400). A
+                     request whose compile takes longer, or that joins a compile already
+                     running for the same spec, waits here, not in the scheduler.
     each step        before the scheduler plans it (`admit`): the waiting requests whose grammar
                      is ready join the scheduler's queue; those whose compile failed fail alone
-                     (finish_reason "error", the library's message).
+                     (finish_reason "error", the library's message; through the server, as any
+                     request that fails while it is served).
 
 At most MAX_WORKERS compiles run at once; later ones wait in line (a request for a cached
-grammar never does). A compile cannot be interrupted: an aborted request leaves the queue at
-once, and its compile finishes for the cache.
+grammar never does). A compile cannot be interrupted: an aborted request leaves at once, and
+its compile finishes for the cache. The vocabulary itself is read on the engine's thread, once,
+for the first constrained request (`prepare_compiler`).
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from typing import Callable, Optional
 from minipaged.engine.sequence import Sequence
 from minipaged.structured_output.params import StructuredOutputsParams
 
-QUICK_S = 0.02  # how long add_request waits for a compile before leaving the request waiting
+QUICK_S = 0.05  # how long add_request waits for a compile before leaving the request waiting
 IDLE_S = 0.005  # with nothing else to run, a step waits this long for a compile to finish
 MAX_WORKERS = 2
 
@@ -57,7 +60,12 @@ class GrammarCompiles:
         self.manager = manager  # StructuredOutputManager: the compiler and the cache
         self._jobs: Optional[queue.SimpleQueue] = None  # to MAX_WORKERS compile threads
         self._running: dict[tuple, cf.Future] = {}  # spec key -> its compile
-        self.waiting: dict[str, tuple[Sequence, tuple, cf.Future]] = {}  # request id -> ...
+        self.waiting: dict[str, tuple[Sequence, cf.Future]] = {}  # request id -> its compile
+
+    @property
+    def busy(self) -> bool:
+        """Requests wait, or compiles run (whose grammars `admit` will cache)."""
+        return bool(self.waiting or self._running)
 
     def start(self, params: StructuredOutputsParams) -> Optional[cf.Future]:
         """None if `params`' grammar is compiled (now, or within QUICK_S of starting its
@@ -69,7 +77,10 @@ class GrammarCompiles:
         key = mgr.key(params)
         future = self._running.get(key)
         fresh = future is None  # else it joins that compile, without waiting for it here
+        wait = 0.0
         if fresh:
+            if sum(not f.done() for f in self._running.values()) < MAX_WORKERS:
+                wait = QUICK_S  # a worker starts it at once: worth a short wait
             mgr.prepare_compiler()  # (on this thread: the first call reads the vocabulary)
             if self._jobs is None:
                 self._jobs = queue.SimpleQueue()
@@ -82,7 +93,7 @@ class GrammarCompiles:
             future = self._running[key] = cf.Future()
             self._jobs.put((future, mgr.compile_uncached, params))
         try:
-            compiled = future.result(timeout=QUICK_S if fresh else 0)
+            compiled = future.result(timeout=wait)
         except cf.TimeoutError:
             return future
         except Exception:
@@ -94,8 +105,7 @@ class GrammarCompiles:
 
     def hold(self, seq: Sequence, future: cf.Future) -> None:
         """`seq`'s request waits here until its grammar (`future`) is compiled."""
-        self.waiting[seq.request_id] = (seq, self.manager.key(seq.sampling_params
-                                                              .structured_outputs), future)
+        self.waiting[seq.request_id] = (seq, future)
 
     def drop(self, request_id: str) -> None:
         """The request is aborted: it stops waiting (its compile still fills the cache)."""
@@ -106,19 +116,21 @@ class GrammarCompiles:
         """Pass each waiting request whose compile is done to `add` (the scheduler's queue), or
         with the compile's exception to `fail`. `idle`: nothing else can run this step, so
         wait up to IDLE_S for a compile first (rather than spin through empty steps)."""
-        if idle:
-            cf.wait([f for _, _, f in self.waiting.values()], timeout=IDLE_S,
+        if idle and self.waiting:
+            cf.wait([f for _, f in self.waiting.values()], timeout=IDLE_S,
                     return_when=cf.FIRST_COMPLETED)
         for key, future in list(self._running.items()):
             if future.done():
                 del self._running[key]
                 if future.exception() is None:
                     self.manager.remember(key, future.result())
-        for request_id, (seq, key, future) in list(self.waiting.items()):
+        for request_id, (seq, future) in list(self.waiting.items()):
             if not future.done():
                 continue
             del self.waiting[request_id]
-            if future.exception() is None:
+            if future.exception() is None:  # cached (again, last): its first step finds it
+                self.manager.remember(self.manager.key(seq.sampling_params.structured_outputs),
+                                      future.result())
                 add(seq)
             else:
                 fail(seq, future.exception())

@@ -149,7 +149,9 @@ class StructuredOutputManager:
         when tokens were taken back."""
         st = self._matchers.get(seq)
         if st is None or st.num_accepted > len(seq.output_token_ids):
-            compiled = self.compile(seq.sampling_params.structured_outputs)
+            # (a matcher made again keeps its grammar: never compiled again on this thread)
+            compiled = (st.compiled if st is not None
+                        else self.compile(seq.sampling_params.structured_outputs))
             st = self._matchers[seq] = _Matcher(self._xgr(), compiled, self.eos_token_ids)
         return st
 

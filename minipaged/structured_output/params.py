@@ -14,7 +14,7 @@ Exactly one of:
 cannot compile or an invalid regex is a `ValueError` that starts with `structured_outputs.FIELD`,
 raised where the request enters (`SamplingParams(...)`, the server's request handler), never in
 the engine's step. The engine compiles it against its tokenizer's vocabulary when the request is
-added (`manager.py`).
+added, off its own thread (`compiling.py`, `manager.py`).
 """
 from __future__ import annotations
 
