@@ -198,6 +198,17 @@ def test_streamed_tool_call_deltas_reassemble_to_the_same_call(client, tool_choi
     assert reason == ("stop" if tool_choice == "named" else "tool_calls")
 
 
+def test_a_required_call_cut_short_streams_as_the_whole_reply_reads(client):
+    """max_tokens ends a forced "required" list before it parses: no tool_calls, the text as
+    content, finish_reason "length", streamed or not."""
+    kw = dict(model="stories260K", messages=MSG, max_tokens=6, temperature=0, tools=TOOLS,
+              tool_choice="required")
+    whole = client.chat.completions.create(**kw).choices[0]
+    calls, content, reason = _reassemble(client.chat.completions.create(**kw, stream=True))
+    assert whole.finish_reason == reason == "length" and not whole.message.tool_calls
+    assert not calls and content == whole.message.content and content.startswith("[")
+
+
 HERMES = (r'Sure\. <tool_call>\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}'
           r'</tool_call>')
 

@@ -263,6 +263,8 @@ class ToolChoice:
                 if finished:
                     calls = [c | {"index": i} for i, c in
                              enumerate(forced_calls(mode, None, self.text))]
+                    if not calls:  # cut short (max_tokens): its text, as the whole reply has
+                        content = self.text
             else:
                 content, calls = self.hermes.feed(new)
                 if finished:
