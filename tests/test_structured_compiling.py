@@ -106,7 +106,6 @@ def test_a_compile_that_fails_later_fails_its_request_alone(gate, monkeypatch):
     # the refusal is not cached as a success: a new request for it compiles (and fails) again,
     # here within add_request (given the time: the worker thread must start and answer)
     monkeypatch.setattr(compiling, "QUICK_S", 30.0)
-    gate.error = RequestGrammarError("structured_outputs.choice cannot be compiled: too big")
     with pytest.raises(ValueError, match="cannot be compiled: too big"):
         eng.add_request("again", "Once", SamplingParams(max_tokens=5, structured_outputs=SLOW))
 

@@ -11,6 +11,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from minipaged import LLM, SamplingParams
 from minipaged.engine.processor import RequestError
@@ -116,7 +117,7 @@ def test_json_object_ends_where_the_object_does(llm, monkeypatch):
     exactly where the object does: the text is one whole JSON object."""
     tok = llm.engine.tokenizer
     texts = [tok.decode([t]) for t in range(llm.engine.model_config.vocab_size)]
-    bias = __import__("torch").tensor([1e3 * ('"' in t) + 1e3 * ("}" in t) for t in texts])
+    bias = torch.tensor([1e3 * ('"' in t) + 1e3 * ("}" in t) for t in texts])
     sampler = llm.engine.sampler
     sample = sampler.sample
 

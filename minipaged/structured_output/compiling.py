@@ -128,9 +128,7 @@ class GrammarCompiles:
             if not future.done():
                 continue
             del self.waiting[request_id]
-            if future.exception() is None:  # cached (again, last): its first step finds it
-                self.manager.remember(self.manager.key(seq.sampling_params.structured_outputs),
-                                      future.result())
+            if future.exception() is None:  # (cached above, or when a later request joined it)
                 add(seq)
             else:
                 fail(seq, future.exception())

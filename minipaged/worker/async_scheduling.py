@@ -41,6 +41,7 @@ from typing import Optional
 import torch
 
 from minipaged.engine import failures
+from minipaged.engine.llm_engine import LLMEngine
 from minipaged.engine.output import RequestOutput
 from minipaged.engine.scheduler import Scheduler
 from minipaged.engine.sequence import Sequence, SequenceStatus
@@ -163,8 +164,7 @@ class AsyncScheduling:
     def has_unfinished_requests(self) -> bool:
         """Tokens in flight count only for sequences that are still unfinished (an aborted or
         failed request's pending token is dropped when it is read)."""
-        return self.engine.scheduler.has_unfinished() or bool(
-            self.engine.grammar_compiles.waiting) or (
+        return LLMEngine.has_unfinished_requests(self.engine) or (  # (its own, replaced here)
             self.pending is not None and any(not s.is_finished for s in self.pending.seqs))
 
     def can_defer(self, sampling: list[Sequence]) -> bool:
