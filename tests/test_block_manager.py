@@ -475,7 +475,7 @@ def test_freed_blocks_stay_cached_and_are_reused():
 
 
 def test_hash_collision_is_a_miss(monkeypatch):
-    monkeypatch.setattr(bm_module, "hash_block", lambda parent, tokens, lora_int_id=0: 12345)
+    monkeypatch.setattr(bm_module, "hash_block", lambda parent, tokens, extra_key=None: 12345)
     bm = BlockManager(num_blocks=16, block_size=4)
     a = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9])
     run(bm, a)
@@ -493,10 +493,12 @@ def test_hash_collision_is_a_miss(monkeypatch):
 
 
 def test_hash_collision_across_lora_adapters_is_a_miss(monkeypatch):
-    """Equal tokens under another adapter have other K/V: even a colliding hash is no hit."""
+    """Equal tokens under another extra key (here: another adapter) have other K/V: even a
+    colliding hash is no hit."""
     from minipaged.lora import LoRARequest
-    monkeypatch.setattr(bm_module, "hash_block", lambda parent, tokens, lora_int_id=0: 12345)
-    bm = BlockManager(num_blocks=16, block_size=4)
+    from minipaged.lora.scheduling import lora_hash_key
+    monkeypatch.setattr(bm_module, "hash_block", lambda parent, tokens, extra_key=None: 12345)
+    bm = BlockManager(num_blocks=16, block_size=4, extra_key=lora_hash_key)
     a = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9])
     run(bm, a)
     b = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9])

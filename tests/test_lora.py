@@ -480,12 +480,11 @@ def _lora_seq(prompt, lora_id, name):
 
 
 def test_scheduler_admits_behind_a_waiting_adapter_and_keeps_swapped_ones_out():
-    from minipaged.engine.block_manager import BlockManager
-    from minipaged.engine.scheduler import Scheduler
-    bm = BlockManager(64, 4, enable_prefix_caching=False)
-    bm.enable_swap(64)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_loras=1,
-                      preemption_mode="swap")
+    from minipaged.engine.build import build_block_manager, build_scheduler
+    bm = build_block_manager(64, 4, enable_prefix_caching=False, enable_lora=True,
+                             num_cpu_blocks=64, preemption_mode="swap")
+    sched = build_scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_loras=1,
+                            preemption_mode="swap")
     a, b, c, d = (_lora_seq([1, 2, 3], lora, n) for lora, n in ((1, "a"), (2, "b"), (0, "c"),
                                                                  (1, "d")))
     for s in (a, b, c, d):
@@ -499,7 +498,7 @@ def test_scheduler_admits_behind_a_waiting_adapter_and_keeps_swapped_ones_out():
         s.seq.num_computed_tokens += s.num_new_tokens
     sched.waiting.clear()
     bm.swap_out([c])
-    sched.running.remove(c)
+    sched.leave_running(c)
     c.lora_request, c.status = LoRARequest("l2", 2, "/x"), SequenceStatus.SWAPPED
     sched.swapped.append([c])
     out = sched.schedule()

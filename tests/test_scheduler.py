@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from minipaged.engine.block_manager import BlockManager
+from minipaged.engine.build import build_block_manager, build_scheduler
 from minipaged.sampling import SamplingParams
 from minipaged.engine.scheduler import Scheduler, SchedulerOutput
 from minipaged.engine.sequence import Sequence, SequenceStatus
@@ -267,9 +268,9 @@ def test_a_block_planned_then_preempted_in_the_same_pass_is_unpublished(mode):
     slot is allocated; then b is preempted before any forward ran. Its block must leave the
     prefix cache and b's hash chain (swap_in would publish the hashes it keeps, over a copy
     whose last slot was never written)."""
-    bm = BlockManager(4, 4, enable_prefix_caching=True)
-    bm.enable_swap(8)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=8, preemption_mode=mode)
+    bm = build_block_manager(4, 4, enable_prefix_caching=True, num_cpu_blocks=8,
+                             preemption_mode=mode)
+    sched = build_scheduler(bm, max_num_seqs=8, max_num_batched_tokens=8, preemption_mode=mode)
     a, c, b = make_seq(range(30), "a"), make_seq(range(10), "c"), make_seq([1, 2, 3], "b")
     place_running(sched, a, 5, decoding=False)
     place_running(sched, c, 2, decoding=False)

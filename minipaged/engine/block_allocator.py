@@ -5,14 +5,14 @@ prefix-cache index.
 and the prefix-cache index (block hash -> block). A block whose ref count drops to 0 goes to the
 *back* of the free queue but keeps its hash, so a later request with the same prefix can take it
 back ("cached"); new allocations pop from the *front*, evicting the least recently freed block
-first. `BlockManager` (block_manager.py) builds the per-sequence block tables on top of it; a
-second allocator owns the CPU pool when `preemption_mode="swap"`.
+first. `BlockManager` (block_manager.py) builds the per-sequence block tables on top of it (a
+second allocator can own another pool of blocks, such as a CPU pool: minipaged/swap/).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Hashable, Iterable, Optional
 
 
 @dataclass
@@ -21,7 +21,7 @@ class Block:
     ref_count: int = 0
     block_hash: Optional[int] = None  # set once the block is full (or being filled this step)
     token_ids: tuple[int, ...] = ()  # the tokens a hashed block holds, to verify cache hits
-    lora_int_id: int = 0  # ... and the LoRA adapter they were computed with (0: none)
+    extra_key: Hashable = None  # ... and the block manager's extra hash key for them
 
 
 class BlockAllocator:
@@ -77,24 +77,24 @@ class BlockAllocator:
 
     # --- prefix cache -----------------------------------------------------------------------
     def lookup(self, block_hash: int, token_ids: tuple[int, ...],
-               lora_int_id: int = 0) -> Optional[Block]:
+               extra_key: Hashable = None) -> Optional[Block]:
         block_id = self.hash_to_block.get(block_hash)
         if block_id is None:
             return None
         block = self.blocks[block_id]
-        if block.token_ids != token_ids or block.lora_int_id != lora_int_id:
+        if block.token_ids != token_ids or block.extra_key != extra_key:
             return None  # a hash collision is a miss
         return block
 
     def register(self, block: Block, block_hash: int, token_ids: tuple[int, ...],
-                 lora_int_id: int = 0) -> None:
+                 extra_key: Hashable = None) -> None:
         """Publish a full block to the prefix cache (first writer wins)."""
         if not self.enable_prefix_caching or block.block_hash is not None:
             return
         if block_hash in self.hash_to_block:
             return  # another block already caches this prefix
         block.block_hash = block_hash
-        block.token_ids, block.lora_int_id = token_ids, lora_int_id
+        block.token_ids, block.extra_key = token_ids, extra_key
         self.hash_to_block[block_hash] = block.block_id
 
     def uncache(self, block: Block) -> None:
@@ -137,7 +137,8 @@ class BlockAllocator:
 
 
 def hash_block(parent_hash: Optional[int], token_ids: tuple[int, ...],
-               lora_int_id: int = 0) -> int:
-    """Prefix-aware block hash: equal hashes mean equal token prefixes up to this block, computed
-    with the same LoRA adapter (0: none), so blocks are never shared across adapters."""
-    return hash((parent_hash, token_ids, lora_int_id) if lora_int_id else (parent_hash, token_ids))
+               extra_key: Hashable = None) -> int:
+    """Prefix-aware block hash: equal hashes mean equal token prefixes up to this block, with the
+    same `extra_key` (vLLM's extra keys, such as an adapter id; None or 0: none), so blocks are
+    never shared across keys."""
+    return hash((parent_hash, token_ids, extra_key) if extra_key else (parent_hash, token_ids))

@@ -6,41 +6,38 @@ only hands out block *ids*, exactly like an operating system's page allocator ha
 
 Two layers, following vLLM's names:
 
-* `BlockAllocator` (block_allocator.py) owns the physical blocks: a free queue, a reference count per block, and the
-  prefix-cache index (block hash -> block). A block whose ref count drops to 0 goes to the *back*
-  of the free queue but keeps its hash, so a later request with the same prefix can take it back
-  ("cached"); new allocations pop from the *front*, evicting the least recently freed block first.
+* `BlockAllocator` (block_allocator.py) owns the physical blocks: a free queue, a reference count
+  per block, and the prefix-cache index (block hash -> block). A block whose ref count drops to 0
+  goes to the *back* of the free queue but keeps its hash, so a later request with the same prefix
+  can take it back ("cached"); new allocations pop from the *front*, evicting the least recently
+  freed block first.
 * `BlockManager` owns one `block_table` per sequence (logical block i -> physical block id) and
   speaks the scheduler's language: `can_allocate / allocate / can_append / append_slots / fork /
-  free`. Copy-on-write: when a sequence is about to write into a block another sequence also
-  references (after `fork`), it gets a private copy first and the caller is told which block to copy.
+  free`, and `truncate` to give back a table's tail. Copy-on-write: when a sequence is about to
+  write into a block another sequence also references (after `fork`), it gets a private copy
+  first and the caller is told which block to copy.
 
 A block's hash is `hash((parent_block_hash, token_ids_of_this_block))`, so equal hashes mean equal
-*prefixes*, not just equal blocks; token ids are compared on every hit to rule out collisions.
+*prefixes*, not just equal blocks; token ids are compared on every hit to rule out collisions. An
+`extra_key(seq)` chosen when the manager is built (vLLM's extra keys; an adapter's id, lesson 11)
+is mixed into every hash and hit check: the same tokens under another key have other K/V.
 
 A block is published (vLLM V1's rule) when `allocate` / `append_slots` hand out the slots that
 fill it (`cache_blocks`), before the forward writes them: a request admitted later in the same
 pass hits it, so n requests of one prompt arriving together prefill its full blocks once. Safe,
 because each layer stores all of the step's new K/V before any attention reads the cache. Only
-known tokens are hashed (prompt, accepted outputs; never a speculative proposal). Such a block
-leaves the prefix cache again if its step never runs: its sequence preempted in the pass that
-planned it (`cache_full_blocks` from `free` / `swap_out`), or the forward raised
-(`drop_uncomputed_blocks`, as the next pass starts).
-A sequence with a LoRA adapter mixes its `lora_int_id` into every hash (and the hit check): the
-same tokens under another adapter (or none) have other K/V, so they never share a block.
+known tokens are hashed (prompt and accepted outputs, never a guess). Such a block leaves the
+prefix cache again if its step never runs: its sequence preempted in the pass that planned it
+(`cache_full_blocks`, from `free`), or the forward raised (`drop_uncomputed_blocks`, as the next
+pass starts).
 
-Swapping (lesson 06, `preemption_mode="swap"`): a second `BlockAllocator` owns the blocks of a
-CPU pool. `swap_out` moves a group of sequences' tables there (a block shared inside the group
-gets one CPU block, so sharing survives the trip) and returns the (GPU, CPU) block pairs whose
-contents the engine must copy; `swap_in` is the way back.
-
-Build it yourself (lessons 02 and 06): `minipaged exercise start block_manager` hands you
-`_needs_cow`, `append_slots`, `fork` and `free` to write; `minipaged exercise check block_manager`
-runs this file's tests with yours in place (minipaged/exercises/).
+Build it yourself (lesson 02): `minipaged exercise start block_manager` hands you `_needs_cow`,
+`append_slots`, `fork` and `free` to write; `minipaged exercise check block_manager` runs this
+file's tests with yours in place (minipaged/exercises/).
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Hashable, Iterable, Optional
 
 from minipaged.engine.block_allocator import Block, BlockAllocator, hash_block
 from minipaged.engine.sequence import Sequence
@@ -48,26 +45,13 @@ from minipaged.engine.trace import BlockUsage
 from minipaged.utils import cdiv
 
 
-def _move(table: list[int], src: BlockAllocator, dst: BlockAllocator,
-          mapping: dict[int, int]) -> list[int]:
-    """`table` rebuilt from `dst`'s blocks (swapping): a block already moved for another sequence
-    of the group (`mapping`, src -> dst id) is referenced once more, any other is allocated; the
-    `src` references are dropped, tail first. Returns the new table."""
-    for b in table:
-        if b in mapping:
-            dst.incref(dst.blocks[mapping[b]])
-        else:
-            mapping[b] = dst.allocate().block_id
-    for b in reversed(table):
-        src.decref(src.blocks[b])
-    return [mapping[b] for b in table]
-
-
 class BlockManager:
     """Per-sequence block tables on top of a `BlockAllocator` (see the module docstring)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 extra_key: Optional[Callable[[Sequence], Hashable]] = None):
         self.block_size = block_size
+        self.extra_key = extra_key  # seq -> what its hashes mix in besides tokens (None: nothing)
         self.enable_prefix_caching = enable_prefix_caching
         self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
         self.block_tables: dict[int, list[int]] = {}  # seq_id -> physical block ids
@@ -84,9 +68,6 @@ class BlockManager:
         self.prefix_hits = 0
         # Entries in all block tables; minus the blocks in use, it is what sharing saves (lesson 06).
         self.num_block_refs = 0
-        # The CPU pool of swap preemption (`enable_swap`); tables of swapped-out sequences.
-        self.cpu_allocator: Optional[BlockAllocator] = None
-        self.cpu_block_tables: dict[int, list[int]] = {}
 
     # --- sizes ------------------------------------------------------------------------------
     @property
@@ -106,6 +87,10 @@ class BlockManager:
         same sequences would take without sharing (fork, prefix hits), minus what they take."""
         return self.num_block_refs - (self.num_blocks - self.num_free_blocks)
 
+    def hash_key(self, seq: Sequence) -> Hashable:
+        """What `seq`'s block hashes mix in besides its tokens (`extra_key`; None: nothing)."""
+        return None if self.extra_key is None else self.extra_key(seq)
+
     # --- admission --------------------------------------------------------------------------
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[Block], int]:
         """Longest cached prefix of `seq` in whole blocks: (blocks, number of tokens they hold).
@@ -117,12 +102,13 @@ class BlockManager:
             return [], 0
         bs = self.block_size
         tokens = seq.token_ids
+        key = self.hash_key(seq)
         hits: list[Block] = []
         parent: Optional[int] = None
         for start in range(0, len(tokens) - 1 - bs + 1, bs):  # only blocks inside tokens[:-1]
             chunk = tuple(tokens[start:start + bs])
-            h = hash_block(parent, chunk, seq.lora_int_id)
-            block = self.allocator.lookup(h, chunk, seq.lora_int_id)
+            h = hash_block(parent, chunk, key)
+            block = self.allocator.lookup(h, chunk, key)
             if block is None:
                 break
             hits.append(block)
@@ -136,28 +122,6 @@ class BlockManager:
         # Cached hits with ref_count 0 sit in the free queue: reusing them also takes free blocks.
         needed += sum(1 for b in computed_blocks if b.ref_count == 0)
         return needed <= self.allocator.num_free_blocks
-
-    def can_allocate_group(self, plans: list[tuple[Sequence, list[Block], int]]) -> bool:
-        """`can_allocate` for several sequences at once, (seq, computed_blocks, num_new_tokens)
-        each: a cached block that two of them hit is taken from the free queue only once."""
-        needed, revived = 0, set()
-        for _, blocks, n in plans:
-            needed += self.num_blocks_for(len(blocks) * self.block_size + n) - len(blocks)
-            revived.update(b.block_id for b in blocks if b.ref_count == 0)
-        return needed + len(revived) <= self.allocator.num_free_blocks
-
-    def allocate_group(self, plans: list[tuple[Sequence, list[Block], int]]) -> None:
-        """`allocate` each (seq, computed_blocks, num_new_tokens). Every cached block is claimed
-        before any fresh one is taken: a fresh block for one sequence must not evict a cached
-        block another sequence of the group is about to reuse. Nothing is published: the
-        caller schedules part of the tokens and publishes those (`cache_blocks`)."""
-        pinned = [b for _, blocks, _ in plans for b in blocks]
-        for b in pinned:
-            self.allocator.incref(b)
-        for seq, blocks, n in plans:
-            self.allocate(seq, blocks, n, publish=False)
-        for b in pinned:
-            self.allocator.decref(b)
 
     def allocate(self, seq: Sequence, computed_blocks: list[Block], num_new_tokens: int,
                  publish: bool = True) -> None:
@@ -235,12 +199,13 @@ class BlockManager:
             return  # (the common case: no block fills up)
         table = self.block_tables[seq.seq_id]
         a = self.allocator
+        key = self.hash_key(seq)
         for i in range(len(hashes), min(known // bs, len(table))):
             chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = hash_block(hashes[-1] if hashes else None, chunk, seq.lora_int_id)
+            h = hash_block(hashes[-1] if hashes else None, chunk, key)
             hashes.append(h)
             block = a.blocks[table[i]]
-            a.register(block, h, chunk, seq.lora_int_id)
+            a.register(block, h, chunk, key)
             if (i + 1) * bs > seq.num_computed_tokens and block.block_hash == h:
                 self._uncomputed[block.block_id] = (seq, i, h)  # published ahead of its K/V
                 self._uncomputed_of.setdefault(seq.seq_id, []).append(block.block_id)
@@ -283,33 +248,29 @@ class BlockManager:
         bs = self.block_size
         for seq, first in hits.values():
             if seq.seq_id in self.block_tables and seq.num_computed_tokens > first * bs:
-                self._cut(seq, first)
+                self.truncate(seq, first * bs)
         for b in list(self._uncomputed):
             self._withdraw(b)
         self._uncomputed_of.clear()
 
-    def _cut(self, seq: Sequence, num_blocks: int) -> None:
-        """Keep only the first `num_blocks` blocks of the table, as computed tokens."""
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep only the blocks that hold the first `num_tokens` tokens, which are now all that is
+        computed of `seq`; the tail goes to the back of the free queue. For a step that ran only
+        in part: speculative proposals the target rejected, a hit on a block whose forward
+        raised (`drop_uncomputed_blocks`)."""
         table = self.block_tables[seq.seq_id]
-        while len(table) > num_blocks:
-            self.allocator.decref(self.allocator.blocks[table.pop()])
-            self.num_block_refs -= 1
-        seq.num_computed_tokens = num_blocks * self.block_size
-        seq.num_cached_tokens = min(seq.num_cached_tokens, seq.num_computed_tokens)
-        self.num_slots[seq.seq_id] = seq.num_computed_tokens
-        del self._hashes[seq.seq_id][num_blocks:]
-
-    def free_trailing_blocks(self, seq: Sequence) -> None:
-        """Give back the tail blocks that hold no computed token (speculative decoding's
-        rollback: slots reserved for proposals the target rejected). `seq.num_computed_tokens`
-        has been reset to what was accepted; a block past it goes to the back of the free
-        queue. Such a block was never published: only computed, known tokens are hashed."""
-        table = self.block_tables[seq.seq_id]
-        keep = self.num_blocks_for(seq.num_computed_tokens)
+        keep = self.num_blocks_for(num_tokens)
         while len(table) > keep:
             self.allocator.decref(self.allocator.blocks[table.pop()])
             self.num_block_refs -= 1
-        self.num_slots[seq.seq_id] = seq.num_computed_tokens
+        seq.num_computed_tokens = num_tokens
+        seq.num_cached_tokens = min(seq.num_cached_tokens, num_tokens)
+        self.num_slots[seq.seq_id] = num_tokens
+        del self._hashes[seq.seq_id][num_tokens // self.block_size:]
+
+    def free_trailing_blocks(self, seq: Sequence) -> None:
+        """`truncate` to the computed tokens (after speculative decoding's rollback)."""
+        self.truncate(seq, seq.num_computed_tokens)
 
     # --- sharing and release ----------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -326,70 +287,18 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; tail blocks first, so they are evicted first.
 
-        Full blocks not yet published go to the prefix cache first: with async scheduling the
-        last computed token of a sequence is known only when the engine finishes it."""
+        Full blocks not yet published go to the prefix cache first: a step loop that reads
+        tokens a step late knows a sequence's last computed token only as it finishes it."""
         table = self.block_tables.get(seq.seq_id)
-        if table is not None:
-            self.cache_full_blocks(seq)
-            del self.block_tables[seq.seq_id]
-            for b in reversed(table):
-                self.allocator.decref(self.allocator.blocks[b])
-            self.num_block_refs -= len(table)
-        elif seq.seq_id in self.cpu_block_tables:  # swapped out: free its CPU blocks
-            for b in reversed(self.cpu_block_tables.pop(seq.seq_id)):
-                self.cpu_allocator.decref(self.cpu_allocator.blocks[b])
-        else:
-            return
+        if table is None:
+            return  # (freed already)
+        self.cache_full_blocks(seq)
+        del self.block_tables[seq.seq_id]
+        for b in reversed(table):
+            self.allocator.decref(self.allocator.blocks[b])
+        self.num_block_refs -= len(table)
         del self.num_slots[seq.seq_id]
         del self._hashes[seq.seq_id]
-
-    # --- swapping (preemption_mode="swap") --------------------------------------------------
-    def enable_swap(self, num_cpu_blocks: int) -> None:
-        """Give the manager a CPU pool of `num_cpu_blocks` blocks (no prefix cache there)."""
-        self.cpu_allocator = (BlockAllocator(num_cpu_blocks, self.block_size, False)
-                              if num_cpu_blocks > 0 else None)
-
-    def can_swap_out(self, seqs: list[Sequence]) -> bool:
-        if self.cpu_allocator is None:
-            return False
-        blocks = {b for s in seqs for b in self.block_tables[s.seq_id]}
-        return len(blocks) <= self.cpu_allocator.num_free_blocks
-
-    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
-        """Move the sequences' tables to the CPU pool; returns (gpu, cpu) blocks to copy.
-
-        A block shared by several of them maps to one CPU block (ref counts follow). A block
-        also used outside the group (a prefix hit) stays on the GPU for its other users.
-        """
-        mapping: dict[int, int] = {}
-        for s in seqs:
-            self.cache_full_blocks(s)  # blocks published for a step they leave are withdrawn
-            table = self.block_tables.pop(s.seq_id)
-            self.num_block_refs -= len(table)
-            self.cpu_block_tables[s.seq_id] = _move(table, self.allocator, self.cpu_allocator,
-                                                    mapping)
-        return list(mapping.items())
-
-    def num_swap_in_blocks(self, seqs: list[Sequence]) -> int:
-        """GPU blocks `swap_in(seqs)` takes."""
-        return len({b for s in seqs for b in self.cpu_block_tables[s.seq_id]})
-
-    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
-        """Bring swapped-out tables back to fresh GPU blocks; returns (cpu, gpu) blocks to copy.
-
-        Full blocks are published to the prefix cache again (first writer wins).
-        """
-        mapping: dict[int, int] = {}
-        a = self.allocator
-        for s in seqs:
-            table = _move(self.cpu_block_tables.pop(s.seq_id), self.cpu_allocator, a, mapping)
-            self.block_tables[s.seq_id] = table
-            self.num_block_refs += len(table)
-            bs = self.block_size
-            for i, h in enumerate(self._hashes[s.seq_id]):
-                a.register(a.blocks[table[i]], h, tuple(s.token_ids[i * bs:(i + 1) * bs]),
-                           s.lora_int_id)
-        return list(mapping.items())
 
     def get_block_table(self, seq: Sequence) -> list[int]:
         return self.block_tables[seq.seq_id]
@@ -426,5 +335,3 @@ class BlockManager:
         if self.num_block_refs != sum(refs):
             raise AssertionError(f"num_block_refs {self.num_block_refs} != {sum(refs)} "
                                  "table entries")
-        if self.cpu_allocator is not None:
-            self.cpu_allocator.check_invariants(self.cpu_block_tables.values(), "CPU block")

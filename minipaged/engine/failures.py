@@ -18,7 +18,6 @@ the retry. Greedy rows need nothing; unseeded rows draw fresh noise from the eng
 """
 from __future__ import annotations
 
-import itertools
 from typing import Callable, Optional, TypeVar
 
 import torch
@@ -80,8 +79,7 @@ def join_outputs(outs: list[SamplerOutput]) -> SamplerOutput:
 def held_seqs(scheduler: Scheduler, request_id: str) -> list[Sequence]:
     """Every sequence of the request that the scheduler still holds (waiting, running or
     swapped): with a beam step cut short, that includes beams forked but not yet recorded."""
-    return [s for s in itertools.chain(scheduler.waiting, scheduler.running, *scheduler.swapped)
-            if s.request_id == request_id]
+    return [s for s in scheduler.seqs() if s.request_id == request_id]
 
 
 def error_output(processor: OutputProcessor, root: Sequence, group: Optional[SequenceGroup],

@@ -39,7 +39,7 @@ from minipaged.attention import get_attention_backend
 from minipaged.config import EngineConfig
 from minipaged.engine import failures, groups, processor
 from minipaged.engine.beam_search import BeamSearchParams, BeamSearchState
-from minipaged.engine.block_manager import BlockManager
+from minipaged.engine.build import build_block_manager, build_scheduler
 from minipaged.engine.output import OutputProcessor, RequestOutput
 from minipaged.engine.processor import RequestError
 from minipaged.engine.scheduler import Scheduler, SchedulerOutput
@@ -100,13 +100,14 @@ class LLMEngine:
         self.kv_cache = allocate_kv_cache(self.kv_config, self.num_blocks, config.block_size,
                                           self.kv_dtype, self.device,
                                           head_major=config.kv_head_major)
-        self.block_manager = BlockManager(self.num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
         # Swap preemption: a CPU pool of blocks (lesson 06, worker/swap.py).
         self.block_bytes = block_bytes(self.kv_config, config.block_size, self.kv_dtype)
         num_cpu_blocks = determine_num_cpu_blocks(config, self.block_bytes, self.num_blocks)
         self.cpu_cache = allocate_cpu_cache(self.kv_cache, num_cpu_blocks)
-        self.block_manager.enable_swap(num_cpu_blocks)
+        self.block_manager = build_block_manager(  # with the capabilities on (engine/build.py)
+            self.num_blocks, config.block_size, config.enable_prefix_caching,
+            enable_lora=config.enable_lora, num_cpu_blocks=num_cpu_blocks,
+            preemption_mode=config.preemption_mode)
         self.scheduler = self.make_scheduler(Scheduler)
         self.model_runner = make_model_runner(config, self.model, self.kv_cache, self.backend)
         if self.lora_manager is not None:  # maps each step's tokens to adapter slots first
@@ -142,11 +143,12 @@ class LLMEngine:
 
     def make_scheduler(self, cls: type[Scheduler], **extra) -> Scheduler:
         cfg = self.config
-        return cls(self.block_manager, max_num_seqs=cfg.max_num_seqs,
-                   max_num_batched_tokens=cfg.max_num_batched_tokens,
-                   enable_chunked_prefill=cfg.enable_chunked_prefill,
-                   preemption_mode=cfg.preemption_mode,
-                   max_loras=cfg.max_loras if cfg.enable_lora else 0, **extra)
+        return build_scheduler(self.block_manager, max_num_seqs=cfg.max_num_seqs,
+                               max_num_batched_tokens=cfg.max_num_batched_tokens,
+                               enable_chunked_prefill=cfg.enable_chunked_prefill,
+                               preemption_mode=cfg.preemption_mode,
+                               max_loras=cfg.max_loras if cfg.enable_lora else 0, base=cls,
+                               **extra)
 
     def _eos_ids(self) -> list[int]:
         ids = list(self.model_config.eos_token_id)

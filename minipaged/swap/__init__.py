@@ -1,0 +1,9 @@
+"""Swap preemption (lesson 06, `preemption_mode="swap"`): a preempted sequence's KV blocks go to a
+CPU pool instead of being dropped, and come back before any new request is admitted.
+
+    block_manager.py  SwapBlockManager: the CPU pool's blocks and the swapped-out block tables
+    scheduler.py      SwapPreemption: the scheduler's preemption mode and the swap-in pass
+    worker/swap.py    the copies themselves (the CPU tensor, out and back in a few transfers)
+
+engine/build.py attaches both when the config asks for swap; with recompute nothing here runs.
+"""
