@@ -1,4 +1,4 @@
-"""Async scheduling (worker/async_scheduling.py): step t+1 is planned before step t's tokens are
+"""Async scheduling (async_sched/step_loop.py): step t+1 is planned before step t's tokens are
 read.
 
 On the GPU this hides the host's work behind the forward (tests/test_gpu.py runs it there, as the
@@ -120,7 +120,7 @@ def test_async_abort_while_a_token_is_pending():
     eng.add_request("b", "The cat", sp)
     for _ in range(4):
         eng.step()
-    assert eng.async_scheduling.pending is not None
+    assert eng.step_loop.pending is not None
     assert eng.scheduler.in_flight  # the host holds true tokens; the unread ones are counted
     eng.abort_request("a")
     outs = []
@@ -154,7 +154,7 @@ def test_async_no_pending_step_left_once_every_request_stopped():
     assert out.outputs[0].finish_reason == "stop"
     eng = llm.engine
     assert not eng.has_unfinished_requests()
-    assert eng.async_scheduling.pending is None
+    assert eng.step_loop.pending is None
     steps = len(eng.trace)
     assert eng.step() == [] and len(eng.trace) == steps  # nothing left to run or read
 

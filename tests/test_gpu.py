@@ -372,7 +372,7 @@ def test_spec_decode_ngram_greedy_parity_on_gpu(k):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == _greedy_hf(hf, prompts, 48)
-    assert llm.engine.spec_decode.stats.num_accepted_tokens > 0 and replays
+    assert llm.engine.step_loop.stats.num_accepted_tokens > 0 and replays
     assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
 
 
@@ -414,7 +414,7 @@ def test_spec_decode_draft_model_greedy_parity_on_gpu(tmp_path):
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40,
                                                     ignore_eos=True), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected, draft
-        stats = llm.engine.spec_decode.stats
+        stats = llm.engine.step_loop.stats
         assert stats.num_draft_tokens > 0
         assert (stats.num_accepted_tokens == stats.num_draft_tokens) == full
         assert sum(len(r.preempted) for r in llm.trace) > 0

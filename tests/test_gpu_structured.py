@@ -140,7 +140,7 @@ def test_structured_outputs_async_scheduling_equals_sync_on_gpu(tmp_path, seeded
         outs = []
         while eng.has_unfinished_requests():
             outs += eng.step()
-            in_flight += flag and eng.async_scheduling.pending is not None
+            in_flight += flag and eng.step_loop.pending is not None
         done = {o.request_id: o.outputs[0] for o in outs if o.finished}
         res.append([done[str(i)].token_ids for i in range(len(prompts))])
         assert all(done[str(i)].text.startswith("[") for i in range(len(prompts)))

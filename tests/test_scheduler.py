@@ -1,6 +1,6 @@
 """Tests for `minipaged/engine/scheduler.py` with a real `BlockManager` and real `Sequence`s, no model.
 
-A step is simulated the way `LLMEngine._process` does it: decide which scheduled sequences
+A step is simulated the way `LLMEngine.process_tokens` does it: decide which scheduled sequences
 sample (before anything moves), then `num_computed_tokens += num_new_tokens` and
 `cache_full_blocks` for every scheduled sequence, then append a token to the sampling ones and
 finish those that reached `max_tokens`. `check_step` asserts the scheduler's promises on every

@@ -317,7 +317,7 @@ def test_128_concurrent_streams(server):
             return await asyncio.gather(*(one(aclient, p, m) for p, m in jobs),
                                         return_exceptions=True)
 
-    first_step = server.engine._step_counter
+    first_step = server.engine.num_steps
     results = asyncio.run(burst())
     errors = [r for r in results if isinstance(r, BaseException)]
     assert not errors, errors[:3]

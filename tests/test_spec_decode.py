@@ -74,7 +74,7 @@ def test_ngram_greedy_equals_hf_for_k_1_to_5(stories_hf):
         llm = LLM("stories260K", block_size=8, speculative_config=ngram(k))
         outs = llm.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)
         assert tokens(outs) == expected, f"k={k}"
-        stats = llm.engine.spec_decode.stats
+        stats = llm.engine.step_loop.stats
         assert stats.num_accepted_tokens > 0 and len(stats.num_accepted_tokens_per_pos) == k
         per_request = sum(o.metrics["spec_num_accepted_tokens"] for o in outs)
         assert per_request == stats.num_accepted_tokens
@@ -90,14 +90,14 @@ def test_draft_model_greedy_parity(stories_hf, tiny_draft):
     same = LLM("stories260K", block_size=8, speculative_config={
         "method": "draft_model", "model": "stories260K", "num_speculative_tokens": 3})
     assert tokens(same.generate(prompts, greedy(30), use_tqdm=False)) == expected
-    stats = same.engine.spec_decode.stats  # the target as its own draft: all accepted
+    stats = same.engine.step_loop.stats  # the target as its own draft: all accepted
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
     tiny = LLM("stories260K", block_size=8, speculative_config={
         "method": "draft_model", "model": tiny_draft, "num_speculative_tokens": 4})
     assert tokens(tiny.generate(prompts, greedy(30), use_tqdm=False)) == expected
-    stats = tiny.engine.spec_decode.stats  # random weights: proposals mostly rejected
+    stats = tiny.engine.step_loop.stats  # random weights: proposals mostly rejected
     assert stats.num_draft_tokens > 0 and stats.acceptance_rate < 0.5
-    assert tiny.engine.spec_decode.proposer.kv_cache.shape[2] == tiny.engine.num_blocks
+    assert tiny.engine.step_loop.proposer.kv_cache.shape[2] == tiny.engine.num_blocks
 
 
 @pytest.mark.parametrize("spec, mode", [
@@ -119,7 +119,7 @@ def test_speculation_under_preemption_and_chunked_prefill(stories_hf, spec, mode
         assert 0 <= r.num_recomputed_tokens <= r.num_prefill_tokens
     assert all(r.num_batched_tokens <= 32 for r in trace)
     assert any(r.num_prefill_tokens and any(r.num_draft_tokens_per_pos) for r in trace)
-    assert llm.engine.spec_decode.stats.num_accepted_tokens > 0
+    assert llm.engine.step_loop.stats.num_accepted_tokens > 0
     assert llm.engine.block_manager.num_free_blocks == 24
 
 
@@ -149,7 +149,7 @@ def test_gpu_ordered_inputs_verify_the_same(stories_hf):
                                       max_model_len=512, cuda_graphs=False)
     outs = llm.generate(prompts, greedy(30), use_tqdm=False)
     assert tokens(outs) == hf_greedy(stories_hf, prompts, 30)
-    assert eng.spec_decode.stats.num_accepted_tokens > 0
+    assert eng.step_loop.stats.num_accepted_tokens > 0
 
 
 @IGNORE_INTERPRETER_WARNINGS
@@ -173,7 +173,7 @@ def test_verify_graph_buffers_front_padded_equal_hf(stories_hf):
     if not isinstance(eng.model_runner, GPUModelRunner):
         eng.model_runner = GPUModelRunner(eng.model, eng.kv_cache, eng.backend, 8, max_num_seqs=4,
                                           max_model_len=64, cuda_graphs=False)
-    eng.spec_decode.install_verify_graphs(eng, capture=False)
+    eng.step_loop.install_verify_graphs(eng, capture=False)
     graphs = eng.model_runner.verify_graph_runner
     ran = []
     run = graphs.run
@@ -311,7 +311,7 @@ def test_sampled_tokens_follow_the_target_distribution(monkeypatch):
         params = [SamplingParams(temperature=0.8, top_k=3, max_tokens=3, seed=seed0 + i,
                                  ignore_eos=True) for i in range(n)]
         outs = llm.generate(["Once upon a time"] * n, params, use_tqdm=False)
-        drafts = llm.engine.spec_decode.stats.num_drafts if config else 0
+        drafts = llm.engine.step_loop.stats.num_drafts if config else 0
         ids = [o.outputs[0].token_ids for o in outs]
         mode = max({t[0] for t in ids}, key=[t[0] for t in ids].count)  # one context for all
         return [t[1] for t in ids if t[0] == mode], drafts
@@ -353,7 +353,7 @@ def test_max_tokens_and_stops_are_never_passed():
             assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
             if p.max_tokens < 80:
                 assert len(g.outputs[0].token_ids) == p.max_tokens
-    assert llm.engine.spec_decode.stats.num_accepted_tokens > 0
+    assert llm.engine.step_loop.stats.num_accepted_tokens > 0
 
 
 def test_max_model_len_is_never_passed():
@@ -368,7 +368,7 @@ def test_max_model_len_is_never_passed():
 def test_trace_and_stats_per_position():
     llm = LLM("stories260K", block_size=8, speculative_config=ngram(3))
     llm.generate(prompts_of(4, 6), greedy(30), use_tqdm=False)
-    stats = llm.engine.spec_decode.stats
+    stats = llm.engine.step_loop.stats
     drafts = [sum(r.num_draft_tokens_per_pos[i] for r in llm.trace if r.num_draft_tokens_per_pos)
               for i in range(3)]
     accepted = [sum(r.num_accepted_tokens_per_pos[i] for r in llm.trace
@@ -380,7 +380,7 @@ def test_trace_and_stats_per_position():
     assert row.num_prefill_tokens == 0 and row.num_computed_before > 0
     untraced = LLM("stories260K", block_size=8, max_trace_len=0, speculative_config=ngram(3))
     untraced.generate(prompts_of(4, 6), greedy(30), use_tqdm=False)
-    assert untraced.engine.spec_decode.stats.num_drafts == stats.num_drafts
+    assert untraced.engine.step_loop.stats.num_drafts == stats.num_drafts
 
 
 # --- guards ---------------------------------------------------------------------------------
@@ -525,7 +525,7 @@ def test_serve_exposes_vllm_spec_decode_counters():
                                 use_tqdm=False)[0].outputs[0].text
         assert r.json()["choices"][0]["text"] == want
         server.wait_idle()
-        stats = server.engine.spec_decode.stats
+        stats = server.engine.step_loop.stats
         m = server.metrics()
         assert stats.num_accepted_tokens > 0
         assert m["minipaged:spec_decode_num_drafts_total"] == stats.num_drafts
@@ -560,7 +560,7 @@ def test_speculation_with_lora_adapters_keeps_each_adapters_tokens(tmp_path):
         res = llm.generate(prompts, sp, lora_request=per_prompt, use_tqdm=False)
         outs.append([o.outputs[0].token_ids for o in res])
         if spec is not None:
-            accepted = llm.engine.spec_decode.stats.num_accepted_tokens
+            accepted = llm.engine.step_loop.stats.num_accepted_tokens
     assert accepted > 0
     assert outs[0] == outs[1]
 
@@ -616,8 +616,8 @@ def test_greedy_verify_steps_take_no_sampler_and_no_rejection_kernels(stories_hf
     llm = LLM("stories260K", block_size=8, speculative_config=ngram(3))
     eng = llm.engine
     sampled = []
-    real_sample = eng._sample_and_process
-    eng._sample_and_process = lambda logits, seqs: (
+    real_sample = eng.sample_and_process
+    eng.sample_and_process = lambda logits, seqs: (
         sampled.append(len(eng.trace)) or real_sample(logits, seqs))
     outs = llm.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)
     assert tokens(outs) == hf_greedy(stories_hf, prompts, lengths)

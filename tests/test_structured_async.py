@@ -117,9 +117,9 @@ def test_masks_are_filled_off_the_main_thread_after_the_next_step_is_scheduled(m
     llm = LLM("stories260K", block_size=8, seed=1, device="cpu", async_scheduling=True)
     eng = llm.engine
     events = []
-    fill, start, schedule = background._fill, BackgroundFill.start, eng._schedule
+    fill, start, schedule = background._fill, BackgroundFill.start, eng.schedule
     on_main = []
-    sample_deferred = eng.async_scheduling.sample_deferred
+    sample_deferred = eng.step_loop.sample_deferred
 
     def traced_fill(*args):
         on_main.append(threading.current_thread() is threading.main_thread())
@@ -138,8 +138,8 @@ def test_masks_are_filled_off_the_main_thread_after_the_next_step_is_scheduled(m
         return sample_deferred(step)
     monkeypatch.setattr(background, "_fill", traced_fill)
     monkeypatch.setattr(BackgroundFill, "start", traced_start)
-    monkeypatch.setattr(eng, "_schedule", traced_schedule)
-    monkeypatch.setattr(eng.async_scheduling, "sample_deferred", traced_sample)
+    monkeypatch.setattr(eng, "schedule", traced_schedule)
+    monkeypatch.setattr(eng.step_loop, "sample_deferred", traced_sample)
     accepted = []
     accept = eng.structured_output.accept
     monkeypatch.setattr(eng.structured_output, "accept",
@@ -302,7 +302,7 @@ def test_a_fault_in_a_deferred_step_fails_its_request_alone(reference, monkeypat
     assert bad.outputs[0].token_ids == reference["culprit"].outputs[0].token_ids[:kept]
     for rid, o in outs.items():
         assert o.outputs[0].token_ids == reference[rid].outputs[0].token_ids
-    assert eng.async_scheduling.pending is None and not eng.has_unfinished_requests()
+    assert eng.step_loop.pending is None and not eng.has_unfinished_requests()
     if where.startswith("batched accept raises"):  # the other rows' matchers were made again
         assert len(checked) > 10
 
@@ -364,9 +364,9 @@ def test_a_dropped_engine_is_freed_and_its_grammar_worker_ends():
     llm = LLM("stories260K", block_size=8, seed=1, device="cpu", async_scheduling=True)
     llm.generate(["Tom had a big red ball"], SamplingParams(
         temperature=0, max_tokens=20, structured_outputs=SO(regex=REGEX)), use_tqdm=False)
-    thread = llm.engine.async_scheduling.fill._thread
+    thread = llm.engine.step_loop.fill._thread
     refs = [weakref.ref(o) for o in (llm.engine, llm.engine.structured_output,
-                                     llm.engine.async_scheduling.fill)]
+                                     llm.engine.step_loop.fill)]
     gc.disable()
     try:
         freeze_gc_heap()

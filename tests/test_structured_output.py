@@ -205,7 +205,7 @@ def test_async_scheduling_keeps_constrained_steps_in_flight():
     outs = []
     while eng.has_unfinished_requests():
         outs += eng.step()
-        in_flight += eng.async_scheduling.pending is not None
+        in_flight += eng.step_loop.pending is not None
     assert in_flight > 10  # steps whose tokens were read a step late, every row constrained
     done = {o.request_id: o.outputs[0] for o in outs if o.finished}
     for i, so in enumerate(constraints()[:4]):

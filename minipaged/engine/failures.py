@@ -1,11 +1,11 @@
 """A request that raises while it is stepped fails alone (lesson 07, serving).
 
 Whatever raises while the engine works on one request (its sampling, detokenizing, a stop check,
-its beam step) is that request's fault: `LLMEngine._fail` ends it with `FINISHED_ERROR`, gives
+its beam step) is that request's fault: `LLMEngine.fail_request` ends it with `FINISHED_ERROR`, gives
 its blocks back and returns its last `RequestOutput` (finish_reason "error", `error` set), and
 the step goes on for every other request. So does a request whose LoRA adapter, dropped from
 the CPU cache, can no longer be read from its folder: it fails before the forward
-(`LLMEngine._fail_unreadable_adapters`). An error in the model's forward is nobody's request:
+(`LLMEngine.schedule`). An error in the model's forward is nobody's request:
 it propagates.
 
 The sampler runs on the whole batch at once, so a raise there does not say which row caused it.

@@ -15,16 +15,21 @@ steps once every live beam has its logits. Swap preemption copies blocks to and 
 pool before the forward. None of it costs anything while no such request is in flight.
 
 A request is checked before it is queued (processor.py), and a request that raises while it is
-stepped (sampling, detokenizing, a stop check, its beam step) fails alone: `_fail` ends it with
+stepped (sampling, detokenizing, a stop check, its beam step) fails alone: `fail_request` ends it with
 finish_reason "error" and frees its blocks, and the step goes on for the others (failures.py).
 
-This is the synchronous step. The GPU's fast paths are chosen once, when the engine is built
-(`EngineConfig.resolve`), and live in their own rooms: the worker (`worker/`) picks its input
-builder and CUDA graphs, the model its fused layers, and async scheduling
-(`worker/async_scheduling.py`) replaces `step` with a loop that plans step t+1 while the GPU runs
-step t. With `enable_lora` the linear layers get adapter slots when the engine is built and the
-runner maps each step's tokens to them (minipaged/lora/). `LLM` (llm.py) loops `step()` for
-offline batches; the server loops it in the background.
+How a step runs is chosen once, when the engine is built: a *step loop* (engine/step_loop.py)
+owns `step()` and `has_unfinished_requests()` and calls the engine's public phases in order:
+
+    schedule()  ->  execute_model()  ->  update_computed()  ->  sample_and_process()  ->  finish_step()
+
+The synchronous loop (`SyncStepLoop`) is the one above. Async scheduling (async_sched/) plans
+step t+1 while the GPU runs step t, and speculative decoding (spec_decode/) verifies proposals;
+both are loops built from the same phases. The GPU's fast paths are chosen once too
+(`EngineConfig.resolve`): the worker (`worker/`) picks its input builder and CUDA graphs, the
+model its fused layers. With `enable_lora` the linear layers get adapter slots when the engine
+is built and the runner maps each step's tokens to them (minipaged/lora/). `LLM` (llm.py) loops
+`step()` for offline batches; the server loops it in the background.
 """
 from __future__ import annotations
 
@@ -44,7 +49,8 @@ from minipaged.engine.output import OutputProcessor, RequestOutput
 from minipaged.engine.processor import RequestError
 from minipaged.engine.scheduler import Scheduler, SchedulerOutput
 from minipaged.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from minipaged.engine.trace import StepRecord, step_record
+from minipaged.engine.step_loop import StepLoop, SyncStepLoop
+from minipaged.engine.trace import StepRecord, StepTimes, step_record
 from minipaged.lora.request import LoRARequest
 from minipaged.models.config import ModelConfig, parse_dtype
 from minipaged.models.loader import load_model, load_tokenizer, resolve_model
@@ -108,7 +114,9 @@ class LLMEngine:
             self.num_blocks, config.block_size, config.enable_prefix_caching,
             enable_lora=config.enable_lora, num_cpu_blocks=num_cpu_blocks,
             preemption_mode=config.preemption_mode)
-        self.scheduler = self.make_scheduler(Scheduler)
+        loop_cls = step_loop_class(config)  # the step loop, chosen once (engine/step_loop.py)
+        self.scheduler = self.make_scheduler(loop_cls.scheduler_cls,
+                                             **loop_cls.scheduler_kwargs(config))
         self.model_runner = make_model_runner(config, self.model, self.kv_cache, self.backend)
         if self.lora_manager is not None:  # maps each step's tokens to adapter slots first
             self.model_runner = self.lora_manager.wrap_runner(self.model_runner)
@@ -124,19 +132,12 @@ class LLMEngine:
         self.trace: list[StepRecord] | deque[StepRecord] = (
             [] if config.max_trace_len is None else deque(maxlen=config.max_trace_len))
         self._prefix_stats = (0, 0)  # block manager's (queries, hits) at the last StepRecord
-        self._wait_time = 0.0  # this step's wait for the GPU's tokens (StepRecord.wait_time)
         self._failed_outputs: list[RequestOutput] = []  # failed before the forward (with_failed)
         self._failed_ids: list[str] = []  # ... and their ids, for the step's StepRecord
         self.stream_outputs = False  # True: step() also reports unfinished requests, with text
         self._start = time.perf_counter()
-        self._step_counter = 0
-        if config.async_scheduling:  # the host loop's fast path: replaces `step` (chosen once)
-            from minipaged.worker.async_scheduling import AsyncScheduling
-            self.async_scheduling = AsyncScheduling(self)
-        self.spec_decode = None  # speculative decoding: replaces `step` (chosen once, lesson 10)
-        if config.speculative_config is not None:
-            from minipaged.spec_decode.engine_step import SpeculativeDecoding
-            self.spec_decode = SpeculativeDecoding(self)
+        self.num_steps = 0  # steps recorded so far (the next StepRecord's index)
+        self.step_loop: StepLoop = loop_cls(self)  # built last: it may add to the runner
         if config.is_cuda:  # where a pause idles the GPU (lesson 08 measures it)
             from minipaged.worker.gpu_model_runner import freeze_gc_heap
             freeze_gc_heap()
@@ -187,9 +188,7 @@ class LLMEngine:
         params = SamplingParams() if sampling_params is None else sampling_params
         vocab = self.model_config.vocab_size
         processor.validate_params(request_id, params, vocab, self.config.max_logprobs)
-        if self.spec_decode is not None:  # n > 1 and beam search do not speculate yet
-            from minipaged.spec_decode.config import check_request
-            check_request(request_id, params)
+        self.step_loop.check_request(request_id, params)  # what the loop cannot serve
         if lora_request is not None:  # read and checked here (lora/manager.py)
             processor.check_lora(request_id, lora_request, self.lora_manager)
         text, token_ids = processor.prompt_token_ids(request_id, prompt, vocab, self.tokenize)
@@ -250,31 +249,25 @@ class LLMEngine:
                     self.scheduler.finish(s, SequenceStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
+        return self.step_loop.has_unfinished_requests()
+
+    def has_unfinished_sequences(self) -> bool:
+        """Sequences the scheduler holds, or requests waiting for their grammar to compile (a
+        step loop adds what it keeps in flight)."""
         return self.scheduler.has_unfinished() or bool(self.grammar_compiles.waiting)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
-    # --- the step ---------------------------------------------------------------------------
+    # --- the step: one call of the loop's `step`, through the phases below -------------------
     def step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        sched = self._schedule()
-        if sched.is_empty:
-            self._check_progress(sched)
-            if sched.preempted or self._failed_ids:  # all it did: make room, or fail requests
-                self._record(sched, [], t0)
-            return self.with_failed([])
-        logits = self.model_runner.execute(sched)  # (num_sampling_seqs, vocab)
-        sampling = self._computed(sched)
-        outputs, finished = self._sample_and_process(logits, sampling)
-        self._record(sched, finished, t0)
-        return self.with_failed(outputs)
+        return self.step_loop.step()
 
-    def _schedule(self) -> SchedulerOutput:
-        """Plan the step, and move swapped blocks before the forward (freed GPU blocks may be
-        rewritten by this very step)."""
+    def schedule(self) -> SchedulerOutput:
+        """Phase 1, plan the step; swapped blocks move before the forward (freed GPU blocks
+        may be rewritten by this very step)."""
         if self.grammar_compiles.busy:  # those whose grammar has compiled join the queue
-            self.grammar_compiles.admit(self.scheduler.add, lambda seq, exc: self._fail(
+            self.grammar_compiles.admit(self.scheduler.add, lambda seq, exc: self.fail_request(
                 seq, exc, self._failed_outputs, self._failed_ids),
                 idle=not self.scheduler.has_unfinished())
         sched = self.scheduler.schedule()
@@ -286,6 +279,11 @@ class LLMEngine:
             groups.drop_beam_logits(sched.preempted)
         return sched
 
+    def execute_model(self, sched: SchedulerOutput, *args) -> torch.Tensor:
+        """Phase 2, the forward: logits (num_sampling_rows, vocab), queued on a GPU. `args`
+        go to the runner (async scheduling: the step whose tokens are still on the device)."""
+        return self.model_runner.execute(sched, *args)
+
     def _fail_unreadable_adapters(self, sched: SchedulerOutput) -> None:
         """Read again the adapters of the step that the LoRA CPU cache dropped. If one's folder
         cannot be read any more, its requests fail alone before the forward (freeing their
@@ -296,7 +294,7 @@ class LLMEngine:
             return
         for s in sched.scheduled:
             if s.seq.lora_int_id in failed:
-                self._fail(s.seq, failed[s.seq.lora_int_id], self._failed_outputs,
+                self.fail_request(s.seq, failed[s.seq.lora_int_id], self._failed_outputs,
                            self._failed_ids)
         sched.scheduled = [s for s in sched.scheduled if s.seq.lora_int_id not in failed]
 
@@ -307,22 +305,36 @@ class LLMEngine:
         failed, self._failed_outputs = self._failed_outputs, []
         return failed + outputs
 
-    def _check_progress(self, sched: SchedulerOutput) -> None:
+    def finish_empty_step(self, sched: SchedulerOutput, t0: float) -> list[RequestOutput]:
+        """The last phase of a step that ran no forward: it is recorded only if it did
+        something (made room, or failed requests before the forward)."""
         if not sched.preempted and not self._failed_outputs and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler could not make progress: no sequence fits in the "
                                "KV cache (this is a bug; the config check should prevent it)")
+        if sched.preempted or self._failed_ids:
+            self.record_step(sched, [], t0)
+        return self.with_failed([])
 
-    def _computed(self, sched: SchedulerOutput) -> list[Sequence]:
-        """The forward has written the step's K/V: count them computed (the full blocks they
-        fill were published when the scheduler allocated their slots: now they are computed;
-        `cache_full_blocks` publishes those whose tokens were not known then); returns the
-        sequences that sample, in step order."""
+    def finish_step(self, sched: SchedulerOutput, outputs: list[RequestOutput],
+                    finished: list[str], t0: float, wait_time: float = 0.0) -> list[RequestOutput]:
+        """The last phase: record the step (its StepRecord) and return its outputs, after
+        those of requests that failed before the forward."""
+        self.record_step(sched, finished, t0, wait_time)
+        return self.with_failed(outputs)
+
+    def update_computed(self, sched: SchedulerOutput) -> list[Sequence]:
+        """Phase 3: the forward has written the step's K/V: count them computed (the full
+        blocks they fill were published when the scheduler allocated their slots: now they are
+        computed; `cache_full_blocks` publishes those whose tokens were not known then);
+        returns the sequences that sample, in step order."""
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.cache_full_blocks(s.seq)
         return [s.seq for s in sched.scheduled if s.samples]
 
-    def _sample_and_process(self, logits: torch.Tensor, sampling: list[Sequence]):
+    def sample_and_process(self, logits: torch.Tensor, sampling: list[Sequence]):
+        """Phase 4: sample one token per row and process them (`process_tokens`); returns
+        (outputs, finished request ids). A row that raises fails its request alone."""
         outputs: list[RequestOutput] = []
         finished: list[str] = []
         ready_beams: list[SequenceGroup] = []
@@ -331,18 +343,18 @@ class LLMEngine:
         sampler_out = None
         if sampling:
             logits = self.structured_output.apply_masks(logits, sampling)  # grammar rows only
-            sampler_out, sampling, errors = self._sample(logits, sampling)
+            sampler_out, sampling, errors = self.sample(logits, sampling)
             for seq, exc in errors:
-                self._fail(seq, exc, outputs, finished)
-        self._process(sampling, sampler_out, outputs, finished)
+                self.fail_request(seq, exc, outputs, finished)
+        self.process_tokens(sampling, sampler_out, outputs, finished)
         for group in ready_beams:
             try:
                 outputs += self._beam_step(group, finished)
             except Exception as exc:  # this request's fault: it fails alone
-                self._fail(self.requests[group.request_id], exc, outputs, finished)
+                self.fail_request(self.requests[group.request_id], exc, outputs, finished)
         return outputs, finished
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]):
         """Returns (the sampler's output, the sequences it holds tokens for, [(sequence, error)]
         of the rows that raised). A raise in the batch is traced to its rows (failures.py)."""
         generators = failures.save_generators(seqs)  # seeded rows: for a retry after a raise
@@ -354,7 +366,7 @@ class LLMEngine:
             return (failures.join_outputs([out for _, out in done]), [seq for seq, _ in done],
                     errors)
 
-    def _fail(self, seq: Sequence, exc: Exception, outputs: list[RequestOutput],
+    def fail_request(self, seq: Sequence, exc: Exception, outputs: list[RequestOutput],
               finished: list[str]) -> None:
         """End `seq`'s whole request with FINISHED_ERROR (every sample or beam), free its
         blocks, and report it in this step's `outputs` and `finished`."""
@@ -390,10 +402,10 @@ class LLMEngine:
         group.seqs = []
         return [out]
 
-    def _process(self, sampling: list[Sequence], sampler_out: Optional[SamplerOutput],
-                 outputs: list[RequestOutput], finished: list[str]) -> None:
+    def process_tokens(self, sampling: list[Sequence], sampler_out: Optional[SamplerOutput],
+                       outputs: list[RequestOutput], finished: list[str]) -> None:
         """Append each sampled token, check stops, finish; adds to `outputs` and `finished`.
-        A raise while one request is processed fails that request alone (`_fail`)."""
+        A raise while one request is processed fails that request alone (`fail_request`)."""
         now = time.time()
         touched: dict[str, SequenceGroup] = {}  # groups with a sample this step
         out = self.output_processor
@@ -424,7 +436,7 @@ class LLMEngine:
                     out.detokenize(seq)
                     outputs.append(out.make_output(seq))
             except Exception as exc:  # this request's fault: it fails alone
-                self._fail(seq, exc, outputs, finished)
+                self.fail_request(seq, exc, outputs, finished)
         for rid, group in touched.items():
             if rid not in self.requests:  # it failed this step
                 continue
@@ -437,14 +449,29 @@ class LLMEngine:
                 elif self.stream_outputs:
                     outputs.append(out.make_group_output(group, None))
             except Exception as exc:
-                self._fail(group.seqs[0], exc, outputs, finished)
+                self.fail_request(group.seqs[0], exc, outputs, finished)
 
-    def _record(self, sched: SchedulerOutput, finished: list[str], t0: float) -> None:
-        """Append this step's StepRecord to the trace (engine/trace.py builds it)."""
+    def record_step(self, sched: SchedulerOutput, finished: list[str], t0: float,
+                    wait_time: float = 0.0) -> None:
+        """Append this step's StepRecord to the trace (engine/trace.py builds it); `wait_time`:
+        the step's wait for the GPU's tokens."""
         bm = self.block_manager
         finished, self._failed_ids = self._failed_ids + finished, []
         queries, hits = self._prefix_stats
         self._prefix_stats = (bm.prefix_queries, bm.prefix_hits)
-        self.trace.append(step_record(self, sched, finished, t0, bm.prefix_queries - queries,
-                                      bm.prefix_hits - hits))
-        self._step_counter += 1
+        self.trace.append(step_record(self, sched, finished, StepTimes(
+            self.num_steps, t0 - self._start, time.perf_counter() - t0, wait_time),
+            bm.prefix_queries - queries, bm.prefix_hits - hits))
+        self.num_steps += 1
+
+
+def step_loop_class(config: EngineConfig) -> type[StepLoop]:
+    """The step loop a resolved config asks for: the names of the capabilities that bring
+    their own loop appear here, and nowhere else in the core."""
+    if config.speculative_config is not None:  # propose, verify, roll back (lesson 10)
+        from minipaged.spec_decode.step_loop import SpecDecodeStepLoop
+        return SpecDecodeStepLoop
+    if config.async_scheduling:  # plan step t+1 while the GPU runs step t (lesson 08)
+        from minipaged.async_sched.step_loop import AsyncStepLoop
+        return AsyncStepLoop
+    return SyncStepLoop

@@ -6,7 +6,6 @@ from these records, so every picture shows what the real scheduler and block man
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
@@ -122,8 +121,17 @@ def summarize(trace: list[StepRecord]) -> dict:
     }
 
 
-def step_record(engine, sched, finished: list[str], t0: float, num_prefix_query_tokens: int,
-                num_prefix_hit_tokens: int) -> StepRecord:
+class StepTimes(NamedTuple):
+    """A step's index and clock, as the engine counts them (passed to `step_record`)."""
+
+    step: int
+    start_time: float  # seconds since the engine started
+    duration: float
+    wait_time: float  # the step's wait for the GPU's tokens (async scheduling)
+
+
+def step_record(engine, sched, finished: list[str], times: StepTimes,
+                num_prefix_query_tokens: int, num_prefix_hit_tokens: int) -> StepRecord:
     """The StepRecord of the step `engine` (an LLMEngine) just ran from `sched` (its
     SchedulerOutput): what ran, what the block manager holds now, what moved."""
     bm = engine.block_manager
@@ -136,8 +144,7 @@ def step_record(engine, sched, finished: list[str], t0: float, num_prefix_query_
                for s in sched.scheduled]
     cached = bm.allocator.num_cached_free
     record = StepRecord(
-        step=engine._step_counter, start_time=t0 - engine._start,
-        duration=time.perf_counter() - t0, scheduled=entries,
+        step=times.step, start_time=times.start_time, duration=times.duration, scheduled=entries,
         preempted=list(dict.fromkeys(s.request_id for s in sched.preempted)), finished=finished,
         num_waiting=len(engine.scheduler.waiting), num_running=len(engine.scheduler.running),
         num_blocks_used=bm.num_blocks - bm.num_free_blocks,
@@ -146,7 +153,7 @@ def step_record(engine, sched, finished: list[str], t0: float, num_prefix_query_
         num_blocks_saved_by_sharing=bm.num_blocks_saved_by_sharing,
         num_cow_copies=len(sched.blocks_to_copy),
         num_prefix_query_tokens=num_prefix_query_tokens,
-        num_prefix_hit_tokens=num_prefix_hit_tokens, wait_time=engine._wait_time)
+        num_prefix_hit_tokens=num_prefix_hit_tokens, wait_time=times.wait_time)
     if sched.swapped_out or sched.swapped_in:
         record.swapped_out = list(dict.fromkeys(s.request_id for s in sched.swapped_out))
         record.swapped_in = list(dict.fromkeys(s.request_id for s in sched.swapped_in))

@@ -17,7 +17,7 @@ The CPU cache makes room by dropping, least recently used first (`cpu_victim`), 
 live request runs and no slot holds; failing that, the CPU copy of one a slot holds (its
 weights stay in the slot: the copy only serves to load it again); failing that, the copy of one
 a waiting request runs: `read_dropped` reads it again before the step that schedules the
-request (LLMEngine._schedule), and if its folder is gone, its requests fail alone.
+request (LLMEngine.schedule), and if its folder is gone, its requests fail alone.
 
 The scheduler never runs more distinct adapters in one step than there are slots
 (engine/scheduler.py: a request whose adapter finds no slot waits), so a slot can always be
@@ -138,7 +138,7 @@ class LoRAModelManager:
     def prepare_step(self, entries) -> None:
         """`entries`: the step's ScheduledSeqs in the runner's token order."""
         needed = {e.seq.lora_int_id for e in entries} - {0}
-        failed = self.read_dropped(needed)  # (LLMEngine._schedule has read them already)
+        failed = self.read_dropped(needed)  # (LLMEngine.schedule has read them already)
         if failed:
             raise RuntimeError(str(next(iter(failed.values()))))
         for lora_id in needed:

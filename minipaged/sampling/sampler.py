@@ -88,7 +88,7 @@ class Sampler:
         self._host_generator = torch.Generator().manual_seed(seed)  # the kernel's per-step seeds
         self._last_rows = None  # sample_masked: (its last rows, kernels apply?, their 1 / T)
 
-    def _engine_generator(self, device: torch.device) -> torch.Generator:
+    def engine_generator(self, device: torch.device) -> torch.Generator:
         if self.generator is None or self.generator.device != device:
             self.generator = torch.Generator(device=device).manual_seed(self.seed)
         return self.generator
@@ -200,13 +200,13 @@ class Sampler:
         # Exponential race: argmax(p / E), E ~ Exp(1), is a draw from p.
         unseeded = [i for i, p in enumerate(params) if p.seed is None and not p.greedy]
         if len(unseeded) == len(params):  # the common case: one draw for the whole batch
-            noise = torch.empty_like(probs).exponential_(generator=self._engine_generator(device))
+            noise = torch.empty_like(probs).exponential_(generator=self.engine_generator(device))
             return (probs / noise).argmax(dim=-1)
         noise = torch.empty_like(probs)
         if unseeded:
             idx = to_device(unseeded, device, torch.int64)
             noise[idx] = torch.empty((len(unseeded), probs.shape[1]), device=device).exponential_(
-                generator=self._engine_generator(device))
+                generator=self.engine_generator(device))
         for i, (seq, p) in enumerate(zip(seqs, params)):
             if p.seed is not None and not p.greedy:
                 if seq.generator is None:

@@ -45,6 +45,7 @@ from minipaged.engine.output import RequestOutput
 from minipaged.server.messages import (AbortRequests, Accepted, AddRequest, CompletionDelta, Dead,
                                        EngineStats, Ready, RequestDelta, RequestTimes, Shutdown,
                                        StepOutputs, encoder, output_decoder, request_decoder)
+from minipaged.spec_decode.step_loop import SpecDecodeStepLoop
 
 logger = logging.getLogger("minipaged.server")
 
@@ -186,10 +187,11 @@ class EngineCore:
     def stats(self) -> EngineStats:
         eng = self.engine
         sched, bm = eng.scheduler, eng.block_manager
-        spec = () if eng.spec_decode is None else (  # speculative decoding's counters
-            eng.spec_decode.stats.num_drafts, eng.spec_decode.stats.num_draft_tokens,
-            eng.spec_decode.stats.num_accepted_tokens,
-            list(eng.spec_decode.stats.num_accepted_tokens_per_pos))
+        spec = ()
+        if isinstance(eng.step_loop, SpecDecodeStepLoop):  # speculative decoding's counters
+            st = eng.step_loop.stats
+            spec = (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens,
+                    list(st.num_accepted_tokens_per_pos))
         return EngineStats(len(sched.running), len(sched.waiting)  # (+ grammars compiling)
                            + len(eng.grammar_compiles.waiting),
                            bm.num_blocks - bm.num_free_blocks, bm.num_blocks,

@@ -74,7 +74,7 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_preemptions: int  # cumulative
     prefix_cache_queries: int  # cumulative, in tokens
     prefix_cache_hits: int
-    # Speculative decoding (cumulative, spec_decode/engine_step.SpecDecodingStats); 0 / [] off.
+    # Speculative decoding (cumulative, spec_decode/step_loop.SpecDecodingStats); 0 / [] off.
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0

@@ -6,7 +6,7 @@ Reading order:
     ngram_proposer.py  prompt lookup: the tokens that followed the sequence's last n tokens before
     draft_proposer.py  a smaller model with the target's vocabulary guesses k tokens greedily
     scheduler.py       a decode with proposals runs 1 + k tokens, slots reserved up front
-    engine_step.py     the engine step that replaces `LLMEngine.step`: propose, verify, roll back
+    step_loop.py       the engine's step loop (engine/step_loop.py's seam): propose, verify, roll back
     verify.py          the target's logits at every proposed position -> the tokens a step emits
     cuda_graphs.py     CUDA graphs for verify steps (k + 1 query tokens per sequence)
 

@@ -1,6 +1,6 @@
 """Grammar masks filled on a worker thread while the host plans the next step (lesson 12).
 
-Under async scheduling (worker/async_scheduling.py) a step with grammar-constrained rows cannot
+Under async scheduling (async_sched/step_loop.py) a step with grammar-constrained rows cannot
 sample right after its forward: a row's mask needs the row's previous token, which the host
 reads only then. Filling the masks on the main thread (about 1 ms for 64 rows of a 152k-token
 vocabulary) would put that work into every step of a host that is already the bottleneck at

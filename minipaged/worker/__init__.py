@@ -7,7 +7,6 @@
     swap.py               swap preemption's CPU block pool and its copies (lesson 06)
     gpu_model_runner.py   the same step built for a GPU: ordered, packed, padded; CUDA graphs
     cuda_graphs.py        decode steps recorded once per batch size and replayed
-    async_scheduling.py   plan step t+1 while the GPU runs step t (the whole protocol)
     tp_worker.py          tensor parallelism: the driver's runner that broadcasts each step, and
                           the loop a worker process runs (lesson 09)
 """

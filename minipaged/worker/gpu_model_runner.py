@@ -12,7 +12,7 @@ four differences that only matter on a GPU:
   compiles a kernel variant per pointer alignment it sees.
 * padding: block-table rows are padded to a multiple of `BLOCK_TABLE_WIDTH_MULTIPLE` entries
   (the row stride is a kernel argument; its divisibility picks the variant too).
-* async scheduling (worker/async_scheduling.py): a decode whose input token is still on the GPU
+* async scheduling (async_sched/step_loop.py): a decode whose input token is still on the GPU
   (sampled by the previous step, not yet read by the host) takes it from that step's token
   tensor, gathered on the device.
 

@@ -1,5 +1,8 @@
 """Async scheduling: plan and launch step t+1 while the GPU still runs step t (lesson 08).
 
+A step loop (the seam in engine/step_loop.py), chosen once when the engine is built
+(`async_scheduling`, on by default on CUDA); it calls the engine's public phases.
+
 A synchronous step (`LLMEngine.step`) ends by copying the sampled tokens to the host and waiting
 for them, so the GPU idles while the host checks stops, schedules and prepares the next step.
 With async scheduling the host does not wait. It leaves the sampled tokens on the GPU (their copy
@@ -14,7 +17,7 @@ The whole protocol lives in this file; the host's sequences only ever hold token
   so it gets no further step.
 * `GPUModelRunner.prepare_inputs` sees such a decode's input position past the host's tokens and
   gathers the token from the previous step's tensor on the device.
-* `AsyncScheduling.step` replaces `LLMEngine.step`: schedule, launch, sample on the GPU, then
+* `AsyncStepLoop.step` is the engine's step: schedule, launch, sample on the GPU, then
   process the *previous* step's tokens exactly as a synchronous step would have.
 
 A sequence that turns out to have stopped (EOS, a stop string) has computed one token in vain;
@@ -35,16 +38,15 @@ allows stop tokens only. A row whose grammar had ended is finished when the step
 from __future__ import annotations
 
 import time
-import weakref
 from typing import Optional
 
 import torch
 
 from minipaged.engine import failures
-from minipaged.engine.llm_engine import LLMEngine
 from minipaged.engine.output import RequestOutput
 from minipaged.engine.scheduler import Scheduler
 from minipaged.engine.sequence import Sequence, SequenceStatus
+from minipaged.engine.step_loop import StepLoop
 from minipaged.sampling import SamplerOutput
 from minipaged.structured_output.manager import ended_rows
 
@@ -144,27 +146,27 @@ class AsyncScheduler(Scheduler):
         self.stops_in_flight.discard(seq.seq_id)
 
 
-class AsyncScheduling:
-    """Installs itself on an engine: its scheduler counts tokens in flight, its `step` runs."""
+class AsyncStepLoop(StepLoop):
+    """The step loop of async scheduling: its scheduler counts tokens in flight."""
+
+    scheduler_cls = AsyncScheduler
+
+    @staticmethod
+    def scheduler_kwargs(config) -> dict:
+        return {"max_model_len": config.max_model_len}
 
     def __init__(self, engine):
-        # A weak reference: the engine holds this object (its `step`), so a strong one back
-        # would make a reference cycle, and a dropped engine must be freed without the cycle
-        # collector (the CUDA engine freezes the heap, see gpu_model_runner.freeze_gc_heap).
-        self.engine = weakref.proxy(engine)
-        engine.scheduler = engine.make_scheduler(AsyncScheduler,
-                                                 max_model_len=engine.config.max_model_len)
+        super().__init__(engine)
         self.pending: Optional[PendingStep] = None  # the step whose tokens are not read yet
+        self.wait_time = 0.0  # this step's wait for the previous step's tokens (StepRecord)
         from minipaged.structured_output.background import BackgroundFill
         self.fill = BackgroundFill(engine.structured_output)  # grammar rows' masks, off-thread
         engine.structured_output.advance_on_fill = True
-        engine.step = self.step
-        engine.has_unfinished_requests = self.has_unfinished_requests
 
     def has_unfinished_requests(self) -> bool:
         """Tokens in flight count only for sequences that are still unfinished (an aborted or
         failed request's pending token is dropped when it is read)."""
-        return LLMEngine.has_unfinished_requests(self.engine) or (  # (its own, replaced here)
+        return self.engine.has_unfinished_sequences() or (
             self.pending is not None and any(not s.is_finished for s in self.pending.seqs))
 
     def can_defer(self, sampling: list[Sequence]) -> bool:
@@ -179,21 +181,16 @@ class AsyncScheduling:
     def step(self) -> list[RequestOutput]:
         eng = self.engine
         t0 = time.perf_counter()
-        eng._wait_time = 0.0
-        sched = eng._schedule()
+        self.wait_time = 0.0
+        sched = eng.schedule()
         if sched.is_empty:
             if self.pending is None:
-                eng._check_progress(sched)
-                if not sched.preempted:
-                    if eng._failed_ids:  # requests failed before the forward (llm_engine.py)
-                        eng._record(sched, [], t0)
-                    return eng.with_failed([])
+                return eng.finish_empty_step(sched, t0)
             outputs, finished = self.read_pending()  # nothing to run, but tokens to read
-            eng._record(sched, finished, t0)
-            return eng.with_failed(outputs)
+            return eng.finish_step(sched, outputs, finished, t0, self.wait_time)
         # The forward is queued on the GPU; nothing below waits for it until tokens are read.
-        logits = eng.model_runner.execute(sched, self.pending)
-        sampling = eng._computed(sched)
+        logits = eng.execute_model(sched, self.pending)
+        sampling = eng.update_computed(sched)
         defer = bool(sampling) and self.can_defer(sampling)
         if defer and any(s.sampling_params.structured_outputs is not None for s in sampling):
             # Masks need the tokens before them: read the previous step's tokens (the forward
@@ -205,20 +202,18 @@ class AsyncScheduling:
                     sampling, pin, just_read=(pending, tokens))))
             fill = fills[0] if fills else self.fill.start(sampling, pin)
             self.pending_step(DeferredStep(sampling, logits, fill, self.sample_deferred))
-            eng._record(sched, finished, t0)
-            return eng.with_failed(outputs)
+            return eng.finish_step(sched, outputs, finished, t0, self.wait_time)
         pending = self.sample(logits, sampling) if defer else None
         if pending is not None:
             outputs, finished = self.read_pending()  # while this step runs
             self.pending_step(pending)
-            eng._record(sched, finished, t0)
-            return eng.with_failed(outputs)
+            return eng.finish_step(sched, outputs, finished, t0, self.wait_time)
         self.fill.wait()  # the matchers are the main thread's again
         outputs, finished = self.read_pending()  # this step needs them all
         self.finish_ended(sampling, outputs, finished)
-        more_outputs, more_finished = eng._sample_and_process(logits, sampling)
-        eng._record(sched, finished + more_finished, t0)
-        return eng.with_failed(outputs + more_outputs)
+        more_outputs, more_finished = eng.sample_and_process(logits, sampling)
+        return eng.finish_step(sched, outputs + more_outputs, finished + more_finished, t0,
+                               self.wait_time)
 
     def pending_step(self, pending: PendingStep) -> None:
         """This step's tokens are in flight: counted, and read during the next step."""
@@ -293,11 +288,11 @@ class AsyncScheduling:
                 if mgr.caught_up_and_ended(seq):
                     self.finish_stopped(seq, outputs, finished)
             except Exception as exc:  # this request's grammar: it fails alone
-                self.engine._fail(seq, exc, outputs, finished)
+                self.engine.fail_request(seq, exc, outputs, finished)
 
     def finish_stopped(self, seq: Sequence, outputs: list[RequestOutput],
                        finished: list[str]) -> None:
-        """End `seq`, its grammar done, as `LLMEngine._process` ends a sequence that stops:
+        """End `seq`, its grammar done, as `LLMEngine.process_tokens` ends a sequence that stops:
         its request with it, or, one of n samples, with the group's last."""
         eng = self.engine
         seq.finished_time = time.time()
@@ -319,18 +314,18 @@ class AsyncScheduling:
             return [], []
         t0 = time.perf_counter()
         tokens = pending.host_tokens()  # waits for that step only; the current one keeps running
-        self.engine._wait_time += time.perf_counter() - t0
+        self.wait_time += time.perf_counter() - t0
         for seq in pending.seqs:
             self.engine.scheduler.token_read(seq)
         outputs: list[RequestOutput] = []
         finished: list[str] = []
         for seq, exc in pending.errors:  # a deferred step's rows: before any token is appended
             if not seq.is_finished:
-                self.engine._fail(seq, exc, outputs, finished)
+                self.engine.fail_request(seq, exc, outputs, finished)
         for seq in pending.ended + [pending.seqs[i] for i in pending.grammar_ended]:
             if not seq.is_finished:
                 self.finish_stopped(seq, outputs, finished)
         if before_process is not None:
             before_process(pending, tokens)
-        self.engine._process(pending.seqs, SamplerOutput(token_ids=tokens), outputs, finished)
+        self.engine.process_tokens(pending.seqs, SamplerOutput(token_ids=tokens), outputs, finished)
         return outputs, finished

@@ -1,7 +1,8 @@
 """The engine step with speculative decoding: propose, verify, roll back (lesson 10).
 
-`SpeculativeDecoding(engine)` installs itself on an `LLMEngine` whose config has a
-`speculative_config` (as async scheduling does: its scheduler, its `step`). One step:
+`SpecDecodeStepLoop` is the step loop (the seam in engine/step_loop.py) of an engine whose
+config has a `speculative_config`, chosen once when the engine is built; it brings its own
+scheduler and calls the engine's public phases. One step:
 
     propose        prompt lookup for every running decode (`seq.spec_token_ids`); a draft
                    model only reserves k slots here and guesses after the plan
@@ -28,7 +29,6 @@ in total (`SpecDecodingStats`, vLLM's counters, served at /metrics).
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +36,9 @@ import torch
 from minipaged.engine.output import RequestOutput
 from minipaged.engine.scheduler import SchedulerOutput
 from minipaged.engine.sequence import SequenceStatus
+from minipaged.engine.step_loop import StepLoop
 from minipaged.sampling import SamplerOutput
+from minipaged.spec_decode.config import check_request
 from minipaged.spec_decode.ngram_proposer import NgramProposer
 from minipaged.spec_decode.scheduler import SpecDecodeScheduler
 from minipaged.spec_decode.verify import can_speculate, num_proposals_allowed, verify
@@ -67,13 +69,13 @@ class SpecDecodingStats:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
-class SpeculativeDecoding:
-    """Installs itself on an engine: its scheduler plans 1 + k tokens, its `step` runs."""
+class SpecDecodeStepLoop(StepLoop):
+    """The step loop of speculative decoding: its scheduler plans 1 + k tokens."""
+
+    scheduler_cls = SpecDecodeScheduler
 
     def __init__(self, engine):
-        # A weak reference: the engine holds this object (its `step`), so a strong one back
-        # would be a cycle.
-        self.engine = weakref.proxy(engine)
+        super().__init__(engine)
         spec = engine.config.speculative
         self.k = spec.num_speculative_tokens
         self.method = spec.method
@@ -86,8 +88,9 @@ class SpeculativeDecoding:
         self.stats = SpecDecodingStats(self.k)
         if engine.config.use_cuda_graphs:  # verify steps replay graphs too (q = k + 1 tokens)
             self.install_verify_graphs(engine, capture=True)
-        engine.scheduler = engine.make_scheduler(SpecDecodeScheduler)
-        engine.step = self.step
+
+    def check_request(self, request_id: str, params) -> None:
+        check_request(request_id, params)  # n > 1 and beam search do not speculate yet
 
     def install_verify_graphs(self, engine, capture: bool) -> None:
         """Give the GPU model runner a `VerifyGraphRunner` (spec_decode/cuda_graphs.py);
@@ -106,37 +109,35 @@ class SpeculativeDecoding:
         eng = self.engine
         t0 = time.perf_counter()
         self.propose()
-        sched = eng._schedule()
+        sched = eng.schedule()
         if sched.is_empty:
-            eng._check_progress(sched)
-            if sched.preempted or eng._failed_ids:
-                eng._record(sched, [], t0)
-            return eng.with_failed([])
+            return eng.finish_empty_step(sched, t0)
         spec = [s for s in sched.scheduled if s.spec_token_ids]
         if spec and self.method == "draft_model":
             self.proposer.propose(spec)  # fills the reserved proposals in place
         before = {s.seq.seq_id: s.seq.num_computed_tokens for s in spec}
-        logits = eng.model_runner.execute(sched)  # (sampling rows: 1 each, k + 1 speculating)
+        logits = eng.execute_model(sched)  # (sampling rows: 1 each, k + 1 speculating)
         if self.method == "draft_model":
             self.proposer.mirror(sched)  # the draft's cache follows the target's
         for s in sched.scheduled:  # speculating rows: only the newest token is known good yet
             s.seq.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids)
             eng.block_manager.cache_full_blocks(s.seq)
         if not spec:  # a step without proposals: the engine's own sampling
-            outputs, finished = eng._sample_and_process(
+            outputs, finished = eng.sample_and_process(
                 logits, [s.seq for s in sched.scheduled if s.samples])
             accepted = []
         else:
             greedy = all(s.seq.sampling_params.greedy for s in spec)
             verified, starts, plain, plain_rows = self._split_rows(sched, greedy)
-            outputs, finished = (eng._sample_and_process(logits[plain_rows], plain) if plain
+            outputs, finished = (eng.sample_and_process(logits[plain_rows], plain) if plain
                                  else ([], []))
             accepted = self.verify_and_emit(logits, verified, starts, outputs, finished)
-        eng._record(sched, finished, t0)
+        if eng.stream_outputs:
+            outputs = self._last_per_request(outputs)
+        outputs = eng.finish_step(sched, outputs, finished, t0)
         if spec:
             self._trace(spec, before, accepted)
-        return eng.with_failed(self._last_per_request(outputs) if eng.stream_outputs
-                               else outputs)
+        return outputs
 
     def propose(self) -> None:
         """Proposals for every running decode that may speculate (n-gram: the guesses; draft
@@ -184,7 +185,7 @@ class SpeculativeDecoding:
         eng = self.engine
         bm = eng.block_manager
         tokens, accepted = verify(logits, entries, starts,
-                                  eng.sampler._engine_generator(logits.device))
+                                  eng.sampler.engine_generator(logits.device))
         for s, a in zip(entries, accepted):
             k = len(s.spec_token_ids)
             if k:
@@ -195,11 +196,11 @@ class SpeculativeDecoding:
                 seq.num_accepted_tokens += a
                 self.stats.add(k, a)
         # Token i of every entry in one call, i = 0, 1, ...: each sequence's tokens still go
-        # through the stop checks in order, and once one stops it, `_process` skips the rest.
+        # through the stop checks in order, and once one stops it, `process_tokens` skips the rest.
         for i in range(max(map(len, tokens))):
             rows = [(s.seq, t[i]) for s, t in zip(entries, tokens) if len(t) > i]
-            eng._process([seq for seq, _ in rows], SamplerOutput(token_ids=[t for _, t in rows]),
-                         outputs, finished)
+            eng.process_tokens([seq for seq, _ in rows],
+                               SamplerOutput(token_ids=[t for _, t in rows]), outputs, finished)
         for s in entries:
             if s.spec_token_ids and s.seq.status is SequenceStatus.RUNNING:
                 bm.free_trailing_blocks(s.seq)  # blocks holding only rejected slots
