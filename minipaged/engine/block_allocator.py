@@ -6,7 +6,7 @@ and the prefix-cache index (block hash -> block). A block whose ref count drops 
 *back* of the free queue but keeps its hash, so a later request with the same prefix can take it
 back ("cached"); new allocations pop from the *front*, evicting the least recently freed block
 first. `BlockManager` (block_manager.py) builds the per-sequence block tables on top of it (a
-second allocator can own another pool of blocks, such as a CPU pool: minipaged/swap/).
+second allocator can own another pool of blocks, such as a CPU pool (lesson 06).
 """
 from __future__ import annotations
 

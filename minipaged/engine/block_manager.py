@@ -191,7 +191,7 @@ class BlockManager:
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Publish the full blocks among the first `num_tokens` slots, computed or about to be
         computed by the step being planned (vLLM's `cache_blocks`). Only blocks whose tokens the
-        host knows: no speculative proposal, no token still on its way from the GPU (async)."""
+        host knows: never a guessed token, nor one still on its way from the GPU."""
         bs = self.block_size
         hashes = self._hashes[seq.seq_id]
         known = min(num_tokens, seq.num_tokens)
@@ -256,7 +256,7 @@ class BlockManager:
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Keep only the blocks that hold the first `num_tokens` tokens, which are now all that is
         computed of `seq`; the tail goes to the back of the free queue. For a step that ran only
-        in part: speculative proposals the target rejected, a hit on a block whose forward
+        in part: guessed tokens the model rejected (lesson 10), a hit on a block whose forward
         raised (`drop_uncomputed_blocks`)."""
         table = self.block_tables[seq.seq_id]
         keep = self.num_blocks_for(num_tokens)
@@ -269,7 +269,7 @@ class BlockManager:
         del self._hashes[seq.seq_id][num_tokens // self.block_size:]
 
     def free_trailing_blocks(self, seq: Sequence) -> None:
-        """`truncate` to the computed tokens (after speculative decoding's rollback)."""
+        """`truncate` to the computed tokens (a rollback of rejected guesses, lesson 10)."""
         self.truncate(seq, seq.num_computed_tokens)
 
     # --- sharing and release ----------------------------------------------------------------

@@ -19,16 +19,11 @@ sequence is *preempted*: the most recently admitted one gives up all its blocks 
 the front of the waiting queue (recompute, vLLM's default); when readmitted it prefills its
 prompt and everything it had generated (prefix-cache hits can make that cheap).
 
-The seams: a later capability changes these rules by overriding a few methods, in its own folder;
-`engine/build.py` composes the ones the config turns on into one class, once, when the engine is
-built (nothing is asked per step of a capability that is off):
-
-    num_tokens_to_compute(seq)       tokens to run for a running sequence (step loops)
-    can_admit(seq)                   may this waiting sequence start now, or let later ones go?
-    admit(seq, out, budget)          admit the first waiting sequence (groups/: a gang at once)
-    has_seats(seqs), gang(seq)       seats in the batch; who is preempted together (groups/)
-    preempt(victims, out, pending)   the preemption mode: recompute here (or to CPU, swap/)
-    enter_running / leave_running / finish / seqs / has_unfinished   the queues' bookkeeping
+The seams: a later capability changes these rules by overriding a few methods from its own
+folder; engine/build.py composes the ones the config turns on into one class, once, at build:
+`num_tokens_to_compute` (step loops), `can_admit`, `admit`, `has_seats`, `gang` (groups/: seats
+for forks, gangs preempted together), `preempt` (the preemption mode: recompute here, or to a
+CPU pool) and the queues' bookkeeping (`enter_running`, `leave_running`, `finish`, `seqs`).
 
 Build it yourself (lesson 03): `minipaged exercise start scheduler` hands you `_schedule_running`
 (steps 1 and 2, preemption included) to write; `minipaged exercise check scheduler` grades it.
@@ -53,8 +48,8 @@ class ScheduledSeq:
     # Its block table (logical block i -> physical block id) as the step leaves it: what the
     # worker needs to find the cache slots, so it never asks the block manager.
     block_table: list[int] = field(default_factory=list)
-    # Proposals this step verifies after the newest token (counted in num_new_tokens; lesson
-    # 10, spec_decode/scheduler.py); empty for every other sequence.
+    # Guessed tokens this step verifies after the newest token (counted in num_new_tokens;
+    # lesson 10); empty for every other sequence.
     spec_token_ids: list[int] = field(default_factory=list)
 
 
@@ -63,7 +58,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
-    # Preemption to a CPU pool (swap/): (gpu, cpu) blocks to copy out, (cpu, gpu) back in.
+    # Preemption to a CPU pool (lesson 06): (gpu, cpu) blocks to copy out, (cpu, gpu) back in.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     swapped_out: list[Sequence] = field(default_factory=list)  # (also in preempted)
@@ -97,7 +92,6 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def seqs(self) -> Iterator[Sequence]:
-        """Every sequence it holds: the waiting ones, then the running ones."""
         yield from self.waiting
         yield from self.running
 
@@ -236,14 +230,9 @@ class Scheduler:
         out.preempted += victims
         return returned
 
-    def preempt(self, victims: list[Sequence], out: SchedulerOutput,
-                pending: dict[int, int]) -> None:
-        """The preemption mode, recompute: the victims' blocks are freed and they go back to the
-        front of the waiting queue. (`pending`: copy-on-writes dropped from `out`, dst -> src.)"""
-        self._requeue(victims)
-
-    def _requeue(self, seqs: list[Sequence]) -> None:
-        """Recompute preemption: free the blocks, back to the front of the waiting queue."""
+    def preempt(self, seqs: list[Sequence], out: SchedulerOutput, pending: dict[int, int]) -> None:
+        """The preemption mode, recompute: free their blocks, back to the front of the waiting
+        queue. (`pending`: the copy-on-writes just dropped from `out`, dst -> src block.)"""
         for s in seqs:
             self.block_manager.free(s)
             s.status = SequenceStatus.WAITING

@@ -3,7 +3,8 @@
 Write the four `BlockManager` methods below. Each takes `self`, a real `BlockManager` from
 minipaged/engine/block_manager.py; while the grader runs, your functions replace the real methods
 of that class, so everything else (the allocator, the prefix cache, `allocate`, `can_append`,
-swapping, the scheduler and the engine) runs on top of yours. Grade them with
+the scheduler and the engine, and the capabilities built on the class, such as swap/'s CPU
+pool) runs on top of yours. Grade them with
 
     minipaged exercise check block_manager
 
@@ -13,7 +14,6 @@ What the manager keeps per sequence (the tests check every one of them):
     self.num_slots[seq_id]      token slots the table covers so far
     self._hashes[seq_id]        chain hashes of its full blocks (the prefix cache)
     self.num_block_refs         entries in all block tables together
-    self.cpu_block_tables       tables of sequences swapped out to the CPU pool (lesson 06)
 
 and what the allocator offers: `self.allocator.allocate()` (a fresh `Block`, ref_count 1),
 `.incref(block)`, `.decref(block)`, `.blocks[block_id]`; `self.block_size`,
@@ -58,12 +58,11 @@ def fork(self, parent: Sequence, child: Sequence) -> None:
 def free(self, seq: Sequence) -> None:
     """Drop the sequence's references; tail blocks first, so they are evicted first.
 
-    Full blocks not yet published go to the prefix cache first: with async scheduling the
-    last computed token of a sequence is known only when the engine finishes it."""
-    # A sequence on the GPU: publish its full blocks, and unpublish those a step it leaves
-    # before running had published (both: `self.cache_full_blocks(seq)`), then drop
-    # its table, decref its blocks last block first, and keep num_block_refs right. A sequence
-    # swapped out to the CPU pool holds `self.cpu_block_tables[seq_id]` blocks of
-    # `self.cpu_allocator` instead. A sequence with neither: nothing to do (freeing twice is fine).
-    # Either way, forget its num_slots and _hashes entries.
+    Full blocks not yet published go to the prefix cache first: a step loop that reads
+    tokens a step late knows a sequence's last computed token only as it finishes it."""
+    # A sequence without a table: nothing to do (freeing twice is fine). Otherwise publish its
+    # full blocks, and unpublish those a step it leaves before running had published (both:
+    # `self.cache_full_blocks(seq)`, while its table is still there), then drop its table,
+    # decref its blocks last block first, keep num_block_refs right, and forget its num_slots
+    # and _hashes entries.
     raise NotImplementedError("exercise: write BlockManager.free")

@@ -2,8 +2,8 @@
 
 Write `Scheduler._schedule_running`, steps 1 and 2 of every `Scheduler.schedule()` call in
 minipaged/engine/scheduler.py. It takes `self`, a real `Scheduler`; while the grader runs, your
-function replaces the real method, and the rest of the step (swapping in, admitting waiting
-requests) and the whole engine run on top of it. Grade it with
+function replaces the real method, and the rest of the step (admitting waiting requests) and the
+whole engine run on top of it. Grade it with
 
     minipaged exercise check scheduler
 
@@ -12,8 +12,9 @@ What you can use:
     self.running                  running sequences in admission order (the last: preempted first)
     self.block_manager            `can_append(seq, n)`, `append_slots(seq, n)` (copy-on-write pairs)
     self.num_tokens_to_compute(seq)   tokens of seq whose K/V are not in the cache yet
-    self._preempt_last(out)       preempts the most recently admitted running sequence (with its
-                                  beam group); returns the tokens it had been planned in `out`
+    self._preempt_last(out)       preempts the most recently admitted running sequence (with the
+                                  sequences it must leave with, `gang`); returns the tokens they
+                                  had been planned in `out`
     seq.is_prefill                True while a sequence has more than its newest token to compute
     seq.status                    SequenceStatus.RUNNING until something preempts it
     ScheduledSeq(seq, num_new_tokens, is_prefill, samples)
@@ -22,6 +23,7 @@ What you can use:
 
 Two traps the tests know about: a sequence may be preempted by a later one in the same loop
 (skip it), and when a victim hands budget back, keep the token count that `can_append` approved.
+A sequence with nothing to compute this step (0 tokens) is skipped.
 """
 from __future__ import annotations
 

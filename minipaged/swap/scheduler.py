@@ -64,7 +64,7 @@ class SwapPreemption:
             if bm.num_swap_in_blocks(seqs) + room > bm.num_free_blocks:
                 if not self.running:  # it cannot come back even to an empty cache: recompute
                     self.swapped.popleft()
-                    self._requeue(seqs)
+                    super().preempt(seqs, out, {})
                     out.preempted += seqs
                     continue
                 break
