@@ -17,16 +17,33 @@ Build it yourself (lesson 04): `minipaged exercise start top_k_top_p` hands you
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence as Seq
+from typing import Optional, Protocol, Sequence as Seq
 
 import torch
 
-from minipaged.engine.sequence import Sequence
 from minipaged.sampling.params import Logprob, SamplerOutput, SamplingParams, TokenMask
 from minipaged.utils import to_device
 
 
-def apply_penalties(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+class SamplingRow(Protocol):
+    """What the sampler reads of one row: its params, its tokens so far (penalties, min_tokens)
+    and its own generator (a seeded row). The engine passes its `Sequence`s, which have these
+    fields; the sampler knows nothing else of them (vLLM passes the same as `SamplingMetadata`)."""
+
+    sampling_params: SamplingParams
+    token_ids: list[int]  # prompt + output
+    output_token_ids: list[int]
+    index: int  # which of a request's n samples (its seed is `seed + index`)
+    generator: Optional[torch.Generator]  # made on the row's first seeded draw, kept by it
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+
+Rows = Seq[SamplingRow]
+
+
+def apply_penalties(logits: torch.Tensor, seqs: Rows) -> torch.Tensor:
     """In place. Repetition (HF's rule, over prompt + output), then frequency and presence
     (OpenAI's rule, over output tokens only)."""
     vocab = logits.shape[1]
@@ -94,7 +111,7 @@ class Sampler:
         return self.generator
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: Rows) -> SamplerOutput:
         """logits: (num_seqs, vocab), one row per sequence in `seqs`, in the model's dtype
         (fp32 where it matters: logprobs and the torch path widen them first)."""
         params = [s.sampling_params for s in seqs]
@@ -108,7 +125,7 @@ class Sampler:
         return out
 
     @torch.no_grad()
-    def sample(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, seqs: Rows) -> torch.Tensor:
         """The next token of every row, as a tensor on the logits' device. Never waits for the
         GPU (async scheduling reads the tokens a step later); logprobs need `__call__`."""
         params = [s.sampling_params for s in seqs]
@@ -141,7 +158,7 @@ class Sampler:
         return self._sample(logits, seqs)
 
     @torch.no_grad()
-    def sample_masked(self, logits: torch.Tensor, seqs: Seq[Sequence],
+    def sample_masked(self, logits: torch.Tensor, seqs: Rows,
                       mask: TokenMask) -> Optional[torch.Tensor]:
         """`sample` with grammar masks applied inside the kernels (kernels.py), for async
         scheduling's constrained steps on the GPU: (2, rows) int64, the tokens and, per row, 1
@@ -159,9 +176,9 @@ class Sampler:
         seed = int(torch.randint(2**31 - 1, (1,), generator=self._host_generator))
         return gumbel_sample(logits, inv_t, seed, mask=mask)
 
-    def _rows_plan(self, logits: torch.Tensor, seqs: Seq[Sequence]):
+    def _rows_plan(self, logits: torch.Tensor, seqs: Rows):
         """(do the kernels apply, the rows' 1 / T on the device or None if all are greedy),
-        kept while the rows are the same sequences (`Sequence` compares by identity)."""
+        kept while the rows are the same objects (the engine's `Sequence`s compare by identity)."""
         last = self._last_rows
         if last is not None and last[0] == seqs:
             return last[1], last[2]
@@ -180,7 +197,7 @@ class Sampler:
         return self.use_kernel and all(p.greedy or (p.seed is None and p.top_k == 0 and p.top_p == 1.0
                                         and p.min_p == 0.0) for p in params)
 
-    def _sample(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: Rows) -> torch.Tensor:
         device = logits.device
         params = [s.sampling_params for s in seqs]
         any_greedy = any(p.greedy for p in params)
