@@ -57,6 +57,7 @@ from minipaged.lora.request import LoRARequest
 from minipaged.models.config import ModelConfig, parse_dtype
 from minipaged.models.loader import load_model, load_tokenizer, resolve_model
 from minipaged.sampling import SamplerOutput, SamplingParams, Sampler
+from minipaged.sampling.kernel_sampler import KernelSampler
 from minipaged.structured_output.extension import StructuredOutputExtension
 from minipaged.structured_output.manager import StructuredOutputManager
 from minipaged.worker import make_model_runner
@@ -121,8 +122,8 @@ class LLMEngine:
         self.model_runner = make_model_runner(config, self.model, self.kv_cache, self.backend)
         if self.lora_manager is not None:  # maps each step's tokens to adapter slots first
             self.model_runner = self.lora_manager.wrap_runner(self.model_runner)
-        self.sampler = Sampler(seed=config.seed, eos_token_ids=self.eos_token_ids,
-                               use_kernel=config.sampler_kernel)
+        sampler_cls = KernelSampler if config.sampler_kernel else Sampler  # (CUDA: kernels)
+        self.sampler = sampler_cls(seed=config.seed, eos_token_ids=self.eos_token_ids)
         # Request extensions (engine/extensions.py): grammar masks for requests with
         # structured_outputs (lesson 12; idle without them), and LoRA adapters.
         self.structured_output = StructuredOutputManager(
