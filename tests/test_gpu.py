@@ -11,6 +11,7 @@ import torch
 from minipaged import LLM, SamplingParams
 from minipaged.lessons.baseline import load_hf_model
 from minipaged.models.loader import resolve_builtin
+from minipaged.sampling.kernel_sampler import KernelSampler, kernel_applies
 from tests.helpers import make_tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -79,8 +80,8 @@ def test_sampling_kernel_matches_softmax_on_gpu():
     logits = torch.tensor([1.0, 0.2, -0.5, 0.8, -1.5, 0.0], device="cuda")
     n = 60_000
     seq = Sequence("r", [1], SamplingParams(temperature=0.7))
-    sampler = Sampler(seed=3, use_kernel=True)  # what a CUDA engine builds (sampler_kernel)
-    assert sampler._kernel_applies(logits[None], [seq.sampling_params])
+    sampler = KernelSampler(seed=3)  # what a CUDA engine builds (sampler_kernel)
+    assert kernel_applies([seq.sampling_params])
     tokens = sampler.sample(logits.repeat(n, 1), [seq] * n)
     counts = torch.bincount(tokens.cpu(), minlength=6).double()
     probs = (logits.cpu().double() / 0.7).softmax(-1)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from minipaged.sampling import Sampler
+from minipaged.sampling.kernel_sampler import KernelSampler, kernel_applies
 from tests.helpers import IGNORE_INTERPRETER_WARNINGS
 from tests.test_sampler import EOS, chi_square, distinct_logits, make_seq
 
@@ -21,8 +22,8 @@ def test_kernel_temperature_sampling_matches_softmax():
     logits = torch.tensor([1.0, 0.2, -0.5, 0.8, -1.5, 0.0])
     n = 400  # one program per row: every row is an independent draw
     seq = make_seq([1], temperature=temperature)
-    sampler = Sampler(seed=7, use_kernel=True)
-    assert sampler._kernel_applies(logits[None], [seq.sampling_params])
+    sampler = KernelSampler(seed=7)
+    assert kernel_applies([seq.sampling_params])
     tokens = sampler(logits.repeat(n, 1), [seq] * n).token_ids
     counts = torch.bincount(torch.tensor(tokens), minlength=6).double()
     probs = (logits.double() / temperature).softmax(-1)
@@ -40,7 +41,7 @@ def test_kernel_greedy_rows_banned_tokens_and_fallbacks():
     gen = torch.Generator().manual_seed(5)
     logits = distinct_logits(gen, 8, 3000)  # several tiles of the kernel's loop
     seqs = [make_seq([1], temperature=0.0 if r % 2 == 0 else 1.0) for r in range(8)]
-    sampler = Sampler(seed=0, use_kernel=True, eos_token_ids=[EOS])
+    sampler = KernelSampler(seed=0, eos_token_ids=[EOS])
     tokens = sampler(logits, seqs).token_ids
     for r in range(0, 8, 2):
         assert tokens[r] == int(logits[r].argmax())
@@ -51,7 +52,7 @@ def test_kernel_greedy_rows_banned_tokens_and_fallbacks():
     assert EOS not in sampler(hot, [young] * 20).token_ids
     # Seeds and top-k/top-p need the torch path (per-request generators, sorted filters).
     for p in (dict(seed=3), dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1)):
-        assert not sampler._kernel_applies(logits, [make_seq([1], temperature=1.0, **p).sampling_params])
+        assert not kernel_applies([make_seq([1], temperature=1.0, **p).sampling_params])
 
 
 @IGNORE_INTERPRETER_WARNINGS

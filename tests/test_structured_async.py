@@ -6,6 +6,7 @@ import threading
 import pytest
 
 from minipaged import LLM, SamplingParams
+from minipaged.sampling.kernel_sampler import KernelSampler
 from minipaged.structured_output import StructuredOutputsParams as SO
 from minipaged.structured_output import background, batch_calls
 from minipaged.structured_output.background import BackgroundFill
@@ -31,8 +32,9 @@ def _run(async_scheduling, params, kernel=False, **cfg):
               async_scheduling=async_scheduling, **cfg)
     # kernel: the Triton sampling kernels (interpreted), which a CUDA engine uses; under async
     # scheduling they apply the masks and flag the grammars that ended (sampling/kernels.py)
+    if kernel:
+        llm.engine.sampler = KernelSampler(seed=1, eos_token_ids=llm.engine.eos_token_ids)
     sampler = llm.engine.sampler
-    sampler.use_kernel = kernel
     inner, llm.masked_in_kernels = sampler.sample_masked, []
     sampler.sample_masked = lambda *a: llm.masked_in_kernels.append(inner(*a)) or \
         llm.masked_in_kernels[-1]
@@ -265,7 +267,8 @@ def _faulty_batch(monkeypatch, refuse):
 def test_a_fault_in_a_deferred_step_fails_its_request_alone(reference, monkeypatch, where):
     eng = LLM("stories260K", block_size=8, seed=1, device="cpu", async_scheduling=True).engine
     if where.startswith("sampler"):
-        eng.sampler.use_kernel = where == "sampler's kernels"  # masks inside the kernels
+        if where == "sampler's kernels":  # masks inside the kernels
+            eng.sampler = KernelSampler(seed=1, eos_token_ids=eng.eos_token_ids)
         monkeypatch.setattr(eng, "sampler", FaultySampler(eng.sampler, "culprit"))
     else:  # its matcher raises (or refuses) as it accepts the 3rd token (the fill's start)
         mgr = eng.structured_output

@@ -45,17 +45,20 @@ from minipaged.config import EngineConfig
 from minipaged.engine import failures, groups, processor
 from minipaged.engine.beam_search import BeamSearchParams, BeamSearchState
 from minipaged.engine.build import build_block_manager, build_scheduler
+from minipaged.engine.extensions import Extensions
 from minipaged.engine.output import OutputProcessor, RequestOutput
 from minipaged.engine.processor import RequestError
 from minipaged.engine.scheduler import Scheduler, SchedulerOutput
 from minipaged.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.engine.step_loop import StepLoop, SyncStepLoop
 from minipaged.engine.trace import StepRecord, StepTimes, step_record
+from minipaged.lora.extension import LoRAExtension
 from minipaged.lora.request import LoRARequest
 from minipaged.models.config import ModelConfig, parse_dtype
 from minipaged.models.loader import load_model, load_tokenizer, resolve_model
 from minipaged.sampling import SamplerOutput, SamplingParams, Sampler
-from minipaged.structured_output.compiling import GrammarCompiles
+from minipaged.sampling.kernel_sampler import KernelSampler
+from minipaged.structured_output.extension import StructuredOutputExtension
 from minipaged.structured_output.manager import StructuredOutputManager
 from minipaged.worker import make_model_runner
 from minipaged.worker.cpu_threads import apply_cpu_threads
@@ -120,12 +123,16 @@ class LLMEngine:
         self.model_runner = make_model_runner(config, self.model, self.kv_cache, self.backend)
         if self.lora_manager is not None:  # maps each step's tokens to adapter slots first
             self.model_runner = self.lora_manager.wrap_runner(self.model_runner)
-        self.sampler = Sampler(seed=config.seed, eos_token_ids=self.eos_token_ids,
-                               use_kernel=config.sampler_kernel)
-        # Grammar masks for requests with structured_outputs (lesson 12); idle without them.
+        sampler_cls = KernelSampler if config.sampler_kernel else Sampler  # (CUDA: kernels)
+        self.sampler = sampler_cls(seed=config.seed, eos_token_ids=self.eos_token_ids)
+        # Request extensions (engine/extensions.py): grammar masks for requests with
+        # structured_outputs (lesson 12; idle without them), and LoRA adapters.
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_ids, config.max_num_seqs)
-        self.grammar_compiles = GrammarCompiles(self.structured_output)  # ... off this thread
+        structured = StructuredOutputExtension(self.structured_output)
+        self.grammar_compiles = structured.compiles
+        self.ext = Extensions([structured] + ([] if self.lora_manager is None
+                                              else [LoRAExtension(self.lora_manager)]))
         self.requests: dict[str, Sequence] = {}  # unfinished requests: their first sequence
         self.groups: dict[str, SequenceGroup] = {}  # ... those with n > 1 or a beam search
         # One StepRecord per step; a bounded deque where the config caps it (a server).
@@ -213,12 +220,7 @@ class LLMEngine:
             if size > 1:
                 processor.check_group_fits(request_id, size, "n", 0, self.config,
                                            self.block_manager, all_resident=False)
-        compiling = None  # the grammar's compile for this vocabulary, if it takes a while
-        if getattr(params, "structured_outputs", None) is not None:  # (the last check)
-            try:
-                compiling = self.grammar_compiles.start(params.structured_outputs)
-            except ValueError as e:
-                raise RequestError(f"{e} (request {request_id!r})") from None
+        holds = [h for h in (hold(request_id, params) for hold in self.ext.hold) if h]  # last
         seq = Sequence(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
                        prompt=text, arrival_time=arrival_time or time.time(),
                        lora_request=lora_request)
@@ -228,10 +230,10 @@ class LLMEngine:
             if beam is not None:
                 seq.logprobs = []
         self.requests[request_id] = seq
-        if compiling is None:
+        if not holds:
             self.scheduler.add(seq)
-        else:  # it waits, not in the queue, until its grammar has compiled (compiling.py)
-            self.grammar_compiles.hold(seq, compiling)
+        for hold in holds:  # it waits outside the queue (a grammar compiling: compiling.py)
+            hold(seq)
         return seq
 
     def _live_lora_ids(self) -> set[int]:
@@ -241,7 +243,8 @@ class LLMEngine:
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            self.grammar_compiles.drop(rid)
+            for abort in self.ext.abort:
+                abort(rid)
             seq = self.requests.pop(rid, None)
             group = self.groups.pop(rid, None)
             for s in group.seqs if group is not None else [seq] if seq is not None else []:
@@ -252,9 +255,9 @@ class LLMEngine:
         return self.step_loop.has_unfinished_requests()
 
     def has_unfinished_sequences(self) -> bool:
-        """Sequences the scheduler holds, or requests waiting for their grammar to compile (a
-        step loop adds what it keeps in flight)."""
-        return self.scheduler.has_unfinished() or bool(self.grammar_compiles.waiting)
+        """Sequences the scheduler holds, or requests an extension holds (a step loop adds
+        what it keeps in flight)."""
+        return self.scheduler.has_unfinished() or any(held() for held in self.ext.num_held)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -266,13 +269,11 @@ class LLMEngine:
     def schedule(self) -> SchedulerOutput:
         """Phase 1, plan the step; swapped blocks move before the forward (freed GPU blocks
         may be rewritten by this very step)."""
-        if self.grammar_compiles.busy:  # those whose grammar has compiled join the queue
-            self.grammar_compiles.admit(self.scheduler.add, lambda seq, exc: self.fail_request(
-                seq, exc, self._failed_outputs, self._failed_ids),
-                idle=not self.scheduler.has_unfinished())
+        for hook in self.ext.before_plan:  # e.g. requests whose grammar has compiled join
+            hook(self)
         sched = self.scheduler.schedule()
-        if self.lora_manager is not None:  # adapters the LoRA CPU cache dropped: read again
-            self._fail_unreadable_adapters(sched)
+        for hook in self.ext.after_plan:  # e.g. adapters the LoRA CPU cache dropped, read again
+            hook(self, sched)
         swap_out_blocks(self.kv_cache, self.cpu_cache, sched.blocks_to_swap_out)
         swap_in_blocks(self.cpu_cache, self.kv_cache, sched.blocks_to_swap_in)
         if self.groups and sched.preempted:
@@ -284,19 +285,10 @@ class LLMEngine:
         go to the runner (async scheduling: the step whose tokens are still on the device)."""
         return self.model_runner.execute(sched, *args)
 
-    def _fail_unreadable_adapters(self, sched: SchedulerOutput) -> None:
-        """Read again the adapters of the step that the LoRA CPU cache dropped. If one's folder
-        cannot be read any more, its requests fail alone before the forward (freeing their
-        blocks withdraws what the step would have written from the prefix cache); their
-        outputs go out with the step's (`with_failed`)."""
-        failed = self.lora_manager.read_dropped({s.seq.lora_int_id for s in sched.scheduled})
-        if not failed:
-            return
-        for s in sched.scheduled:
-            if s.seq.lora_int_id in failed:
-                self.fail_request(s.seq, failed[s.seq.lora_int_id], self._failed_outputs,
-                           self._failed_ids)
-        sched.scheduled = [s for s in sched.scheduled if s.seq.lora_int_id not in failed]
+    def fail_before_forward(self, seq: Sequence, exc: Exception) -> None:
+        """Fail `seq`'s request alone before the step's forward (an extension found it cannot
+        run); its output goes out with the step's (`with_failed`)."""
+        self.fail_request(seq, exc, self._failed_outputs, self._failed_ids)
 
     def with_failed(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """A step's outputs, after those of requests that failed before its forward."""
@@ -342,7 +334,8 @@ class LLMEngine:
             logits, sampling, ready_beams = groups.split_groups(logits, sampling, self.scheduler)
         sampler_out = None
         if sampling:
-            logits = self.structured_output.apply_masks(logits, sampling)  # grammar rows only
+            for hook in self.ext.process_logits:  # e.g. grammar masks (lesson 12)
+                logits = hook(logits, sampling)
             sampler_out, sampling, errors = self.sample(logits, sampling)
             for seq, exc in errors:
                 self.fail_request(seq, exc, outputs, finished)

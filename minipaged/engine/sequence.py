@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Optional
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from minipaged.engine.beam_search import BeamSearchState
     from minipaged.lora import LoRARequest
     from minipaged.sampling import Logprob, SamplingParams
 
@@ -171,7 +170,7 @@ class SequenceGroup:
     request_id: str
     size: int  # n samples, or the beam width
     seqs: list[Sequence]  # samples in index order; for a beam search, the live beams, best first
-    beam: Optional["BeamSearchState"] = None
+    beam: Optional[object] = None  # a beam search's state (engine/beam_search.BeamSearchState)
     forked: bool = False  # the prompt's sequence has been forked into `size` sequences
     num_created: int = 1  # sequences created so far (beams get increasing indices)
 

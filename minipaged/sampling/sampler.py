@@ -10,23 +10,41 @@ All rows are processed together even when each request asks for different parame
 uses the "exponential race": argmax(p / E) with E ~ Exp(1) draws from p. A request with a `seed`
 draws its E from its own generator, so its tokens do not depend on what else is in the batch;
 with `n > 1` sample i uses `seed + i` (vLLM's rule), so the samples differ but replay exactly.
-Greedy rows (temperature 0) take argmax of the processed logits.
+Greedy rows (temperature 0) take argmax of the processed logits. On CUDA the engine builds a
+`KernelSampler` instead (kernel_sampler.py): plain temperature rows drawn by fused Triton kernels.
 
 Build it yourself (lesson 04): `minipaged exercise start top_k_top_p` hands you
 `apply_top_k_top_p_min_p` to write; `minipaged exercise check top_k_top_p` grades it.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence as Seq
+from typing import Optional, Protocol, Sequence as Seq
 
 import torch
 
-from minipaged.engine.sequence import Sequence
 from minipaged.sampling.params import Logprob, SamplerOutput, SamplingParams, TokenMask
 from minipaged.utils import to_device
 
 
-def apply_penalties(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+class SamplingRow(Protocol):
+    """What the sampler reads of one row: its params, its tokens so far (penalties, min_tokens)
+    and its own generator (a seeded row). The engine passes its `Sequence`s, which have these
+    fields; the sampler knows nothing else of them (vLLM passes the same as `SamplingMetadata`)."""
+
+    sampling_params: SamplingParams
+    token_ids: list[int]  # prompt + output
+    output_token_ids: list[int]
+    index: int  # which of a request's n samples (its seed is `seed + index`)
+    generator: Optional[torch.Generator]  # made on the row's first seeded draw, kept by it
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+
+Rows = Seq[SamplingRow]
+
+
+def apply_penalties(logits: torch.Tensor, seqs: Rows) -> torch.Tensor:
     """In place. Repetition (HF's rule, over prompt + output), then frequency and presence
     (OpenAI's rule, over output tokens only)."""
     vocab = logits.shape[1]
@@ -69,24 +87,13 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _inv_temperature(params: list[SamplingParams], device: torch.device) -> torch.Tensor:
-    """(rows,) fp32 on `device`: 1 / T per row, 0 for greedy rows (the kernels' argument)."""
-    return to_device([0.0 if p.greedy else 1.0 / p.temperature for p in params], device,
-                     torch.float32)
-
-
 class Sampler:
     """Turns one step's last-token logits into next tokens for every sampled sequence."""
 
-    def __init__(self, seed: int = 0, eos_token_ids: Seq[int] = (), use_kernel: bool = False):
+    def __init__(self, seed: int = 0, eos_token_ids: Seq[int] = ()):
         self.generator: Optional[torch.Generator] = None
         self.seed = seed
         self.eos_token_ids = list(eos_token_ids)
-        # The Triton kernels for plain temperature sampling (kernels.py): the engine turns them
-        # on for CUDA (EngineConfig.sampler_kernel); on the CPU they need TRITON_INTERPRET=1.
-        self.use_kernel = use_kernel
-        self._host_generator = torch.Generator().manual_seed(seed)  # the kernel's per-step seeds
-        self._last_rows = None  # sample_masked: (its last rows, kernels apply?, their 1 / T)
 
     def engine_generator(self, device: torch.device) -> torch.Generator:
         if self.generator is None or self.generator.device != device:
@@ -94,7 +101,7 @@ class Sampler:
         return self.generator
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: Rows) -> SamplerOutput:
         """logits: (num_seqs, vocab), one row per sequence in `seqs`, in the model's dtype
         (fp32 where it matters: logprobs and the torch path widen them first)."""
         params = [s.sampling_params for s in seqs]
@@ -108,79 +115,38 @@ class Sampler:
         return out
 
     @torch.no_grad()
-    def sample(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, seqs: Rows) -> torch.Tensor:
         """The next token of every row, as a tensor on the logits' device. Never waits for the
         GPU (async scheduling reads the tokens a step later); logprobs need `__call__`."""
-        params = [s.sampling_params for s in seqs]
-        banned_rows = [i for i, s in enumerate(seqs)
-                       if s.num_output_tokens < s.sampling_params.min_tokens]
-        penalties = any(p.has_penalties for p in params)
-        kernel = self._kernel_applies(logits, params)
-        if penalties or not kernel:
-            # The torch path computes in fp32; the kernel widens bf16 logits as it reads them
-            # (a (256, 151,936) fp32 copy would cost more than the whole kernel).
-            logits = logits.float()
-        if banned_rows or penalties:
-            logits = apply_penalties(logits.clone(), seqs)
-            for i in banned_rows:
-                ban = list(seqs[i].sampling_params.stop_token_ids)
-                if not seqs[i].sampling_params.ignore_eos:
-                    ban += self.eos_token_ids
-                if ban:
-                    logits[i, to_device(ban, logits.device, torch.int64)] = float("-inf")
-
-        if all(p.greedy for p in params):
+        logits = self.penalize(logits.float(), seqs)  # the torch path computes in fp32
+        if all(s.sampling_params.greedy for s in seqs):
             # argmax: max also returns the first maximum's index, and its CPU kernel is 2.4x
             # faster at 64 rows x 512 (20 vs 49 us)
             return logits.max(dim=-1).indices
-        if kernel:  # banned tokens (-inf) never win there either
-            from minipaged.sampling.kernels import gumbel_sample
-            inv_t = _inv_temperature(params, logits.device)
-            seed = int(torch.randint(2**31 - 1, (1,), generator=self._host_generator))
-            return gumbel_sample(logits, inv_t, seed)
         return self._sample(logits, seqs)
 
-    @torch.no_grad()
-    def sample_masked(self, logits: torch.Tensor, seqs: Seq[Sequence],
-                      mask: TokenMask) -> Optional[torch.Tensor]:
-        """`sample` with grammar masks applied inside the kernels (kernels.py), for async
-        scheduling's constrained steps on the GPU: (2, rows) int64, the tokens and, per row, 1
-        where its mask allows stop tokens only. None where the kernels do not apply (the caller
-        applies the masks to the logits and calls `sample`). Such steps have no penalties,
-        logprobs or min_tokens bans (async scheduling samples those at once), and from one step
-        to the next their rows are mostly the same sequences: what the rows ask for is worked
-        out once per batch (`_rows_plan`)."""
-        kernel, inv_t = self._rows_plan(logits, seqs)
-        if not kernel:
-            return None
-        from minipaged.sampling.kernels import gumbel_sample, masked_argmax
-        if inv_t is None:  # all greedy: one launch, and no draw (as `sample` takes none)
-            return masked_argmax(logits, mask)
-        seed = int(torch.randint(2**31 - 1, (1,), generator=self._host_generator))
-        return gumbel_sample(logits, inv_t, seed, mask=mask)
+    def penalize(self, logits: torch.Tensor, seqs: Rows) -> torch.Tensor:
+        """Penalties, then min_tokens' bans (EOS and stop ids to -inf), on a copy of `logits`
+        if any row has one; else `logits` itself."""
+        banned_rows = [i for i, s in enumerate(seqs)
+                       if s.num_output_tokens < s.sampling_params.min_tokens]
+        if not banned_rows and not any(s.sampling_params.has_penalties for s in seqs):
+            return logits
+        logits = apply_penalties(logits.clone(), seqs)
+        for i in banned_rows:
+            ban = list(seqs[i].sampling_params.stop_token_ids)
+            if not seqs[i].sampling_params.ignore_eos:
+                ban += self.eos_token_ids
+            if ban:
+                logits[i, to_device(ban, logits.device, torch.int64)] = float("-inf")
+        return logits
 
-    def _rows_plan(self, logits: torch.Tensor, seqs: Seq[Sequence]):
-        """(do the kernels apply, the rows' 1 / T on the device or None if all are greedy),
-        kept while the rows are the same sequences (`Sequence` compares by identity)."""
-        last = self._last_rows
-        if last is not None and last[0] == seqs:
-            return last[1], last[2]
-        params = [s.sampling_params for s in seqs]
-        kernel = (self._kernel_applies(logits, params)
-                  and not any(p.has_penalties for p in params)
-                  and not any(s.num_output_tokens < s.sampling_params.min_tokens for s in seqs))
-        inv_t = None
-        if kernel and not all(p.greedy for p in params):
-            inv_t = _inv_temperature(params, logits.device)
-        self._last_rows = (list(seqs), kernel, inv_t)
-        return kernel, inv_t
+    def sample_masked(self, logits: torch.Tensor, seqs: Rows, mask: TokenMask) -> None:
+        """Masks applied inside sampling kernels: only `KernelSampler` does that; None here
+        (the caller applies the masks to the logits, then calls `sample`)."""
+        return None
 
-    def _kernel_applies(self, logits: torch.Tensor, params: list[SamplingParams]) -> bool:
-        """Plain temperature (or greedy) rows without a seed: the Triton kernels' two-stage draw."""
-        return self.use_kernel and all(p.greedy or (p.seed is None and p.top_k == 0 and p.top_p == 1.0
-                                        and p.min_p == 0.0) for p in params)
-
-    def _sample(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: Rows) -> torch.Tensor:
         device = logits.device
         params = [s.sampling_params for s in seqs]
         any_greedy = any(p.greedy for p in params)
