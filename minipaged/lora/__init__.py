@@ -9,10 +9,12 @@
     manager.py        wraps the model's layers once; adapters into slots on demand, LRU,
                       and at most max_cpu_loras of them kept in CPU memory
     runner.py         the model runner that maps the step's tokens to slots before the forward
+    scheduling.py     the scheduler's admission rule (max_loras) and the prefix cache's key
     random_adapter.py random adapters in PEFT's format, without peft (benchmarks, GPU tests)
 
 The engine builds it only with `EngineConfig.enable_lora`; the scheduler keeps at most
-`max_loras` distinct adapters in a step, and the prefix cache keys blocks by adapter.
+`max_loras` distinct adapters in a step, and the prefix cache keys blocks by adapter (both
+attached by engine/build.py).
 """
 from minipaged.lora.request import LoRARequest
 

@@ -2,8 +2,8 @@
 
 With `preemption_mode="swap"` a preempted sequence's blocks are copied to a second tensor in CPU
 memory (pinned on CUDA, so the copies are asynchronous DMA) instead of being dropped; the block
-manager keeps its CPU block table, and the copies come back into fresh GPU blocks when the
-scheduler readmits it.
+manager keeps its CPU block table (swap/block_manager.py), and the copies come back into fresh
+GPU blocks when the scheduler readmits it (swap/scheduler.py). This module does the copies.
 """
 from __future__ import annotations
 
