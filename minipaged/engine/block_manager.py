@@ -4,18 +4,13 @@ Lesson 02 (`notebooks/02_block_manager.ipynb`) walks through this file; lesson 0
 accounting. Nothing here touches a tensor: the K/V tensors live in `kv_cache.py`, and this module
 only hands out block *ids*, exactly like an operating system's page allocator hands out frames.
 
-Two layers, following vLLM's names:
-
-* `BlockAllocator` (block_allocator.py) owns the physical blocks: a free queue, a reference count
-  per block, and the prefix-cache index (block hash -> block). A block whose ref count drops to 0
-  goes to the *back* of the free queue but keeps its hash, so a later request with the same prefix
-  can take it back ("cached"); new allocations pop from the *front*, evicting the least recently
-  freed block first.
-* `BlockManager` owns one `block_table` per sequence (logical block i -> physical block id) and
-  speaks the scheduler's language: `can_allocate / allocate / can_append / append_slots / fork /
-  free`, and `truncate` to give back a table's tail. Copy-on-write: when a sequence is about to
-  write into a block another sequence also references (after `fork`), it gets a private copy
-  first and the caller is told which block to copy.
+Two layers, following vLLM's names: `BlockAllocator` (block_allocator.py) owns the physical
+blocks (their free queue in LRU order, ref counts, the prefix-cache index); `BlockManager` owns
+one `block_table` per sequence (logical block i -> physical block id) and speaks the scheduler's
+language: `can_allocate / allocate / can_append / append_slots / fork / free`, and `truncate` to
+give back a table's tail. Copy-on-write: when a sequence is about to write into a block another
+sequence also references (after `fork`), it gets a private copy first and the caller is told
+which block to copy.
 
 A block's hash is `hash((parent_block_hash, token_ids_of_this_block))`, so equal hashes mean equal
 *prefixes*, not just equal blocks; token ids are compared on every hit to rule out collisions. An
