@@ -5,7 +5,7 @@ engine/block_manager.py -> worker/model_runner.py -> models/llama.py (+ layers.p
 -> sampling/ -> engine/output.py. The lessons in notebooks/ walk through each file; every GPU fast
 path is chosen once, in config.py's `EngineConfig.resolve`, and lives outside this path.
 """
-from minipaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from minipaged.groups.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from minipaged.config import EngineConfig
 from minipaged.engine.llm_engine import LLMEngine, RequestError
 from minipaged.llm import LLM

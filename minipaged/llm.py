@@ -29,7 +29,7 @@ from typing import Optional, Sequence as Seq
 
 from tqdm.auto import tqdm
 
-from minipaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_score
+from minipaged.groups.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_score
 from minipaged.config import EngineConfig, knob_docs
 from minipaged.engine.llm_engine import LLMEngine, RequestError
 from minipaged.engine.output import RequestOutput

@@ -1,10 +1,12 @@
 """The request-extension seam: capabilities that act on requests, attached once at build.
 
-A request extension (structured outputs, LoRA adapters) plugs into `LLMEngine` at a few named
-points of a request's life. Each hook is called once per batch (never once per row) and only
+A request extension (structured outputs, LoRA adapters, n > 1 and beam search) plugs into
+`LLMEngine` at a few named points of a request's life. Each hook is called once per batch (never once per row) and only
 for the extensions that define it; with none registered the engine's step calls nothing:
 
-    check(request_id, params, lora_request)   add_request, before the prompt is read: raise
+    prepare(engine, request_id, params, n)    add_request, once the prompt (n tokens) is read:
+                                              (the params its sequences run with, a function
+                                              that takes its new Sequence, or None); raise
                                               RequestError for a request it cannot serve
     hold(request_id, params)                  add_request, the last check: None to queue the
                                               request now, or a function that takes its new
@@ -14,11 +16,16 @@ for the extensions that define it; with none registered the engine's step calls 
     before_plan(engine)                       before the scheduler plans: release held requests
     after_plan(engine, sched)                 after the plan, before the forward: drop what
                                               cannot run (fail it with engine.fail_before_forward)
+    rows_to_sample(engine, logits, seqs)      (logits, seqs) of the rows to sample (a group's
+                                              prompt forks into its samples; beams wait)
     process_logits(logits, seqs)              the rows about to be sampled (grammar masks)
+    after_sample(engine, outputs, finished)   after the step's tokens are processed (beam
+                                              steps), adding to the step's outputs
     abort(request_id)                         the request is aborted
 
 vLLM keeps the same points in its `Processor` (checks), its scheduler (structured-output and
-LoRA admission) and its `StructuredOutputManager` (bitmasks before sampling).
+LoRA admission), its `StructuredOutputManager` (bitmasks before sampling) and its n > 1 fan-out
+(`ParentRequest`).
 """
 from __future__ import annotations
 
@@ -26,14 +33,15 @@ from typing import Callable, Optional
 
 import torch
 
-HOOKS = ("check", "hold", "num_held", "before_plan", "after_plan", "process_logits", "abort")
+HOOKS = ("prepare", "hold", "num_held", "before_plan", "after_plan", "rows_to_sample",
+         "process_logits", "after_sample", "abort")
 
 
 class RequestExtension:
     """Every hook, doing nothing; an extension overrides the ones it needs."""
 
-    def check(self, request_id: str, params, lora_request) -> None:
-        pass
+    def prepare(self, engine, request_id: str, params, num_prompt_tokens: int):
+        return params, None
 
     def hold(self, request_id: str, params) -> Optional[Callable]:
         return None
@@ -47,8 +55,14 @@ class RequestExtension:
     def after_plan(self, engine, sched) -> None:
         pass
 
+    def rows_to_sample(self, engine, logits: torch.Tensor, seqs: list):
+        return logits, seqs
+
     def process_logits(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
         return logits
+
+    def after_sample(self, engine, outputs: list, finished: list[str]) -> None:
+        pass
 
     def abort(self, request_id: str) -> None:
         pass

@@ -42,8 +42,7 @@ import torch
 
 from minipaged.attention import get_attention_backend
 from minipaged.config import EngineConfig
-from minipaged.engine import failures, groups, processor
-from minipaged.engine.beam_search import BeamSearchParams, BeamSearchState
+from minipaged.engine import failures, processor
 from minipaged.engine.build import build_block_manager, build_scheduler
 from minipaged.engine.extensions import Extensions
 from minipaged.engine.output import OutputProcessor, RequestOutput
@@ -52,6 +51,8 @@ from minipaged.engine.scheduler import Scheduler, SchedulerOutput
 from minipaged.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from minipaged.engine.step_loop import StepLoop, SyncStepLoop
 from minipaged.engine.trace import StepRecord, StepTimes, step_record
+from minipaged.groups.beam_search import BeamSearchParams
+from minipaged.groups.extension import GroupExtension
 from minipaged.lora.extension import LoRAExtension
 from minipaged.lora.request import LoRARequest
 from minipaged.models.config import ModelConfig, parse_dtype
@@ -125,16 +126,16 @@ class LLMEngine:
             self.model_runner = self.lora_manager.wrap_runner(self.model_runner)
         sampler_cls = KernelSampler if config.sampler_kernel else Sampler  # (CUDA: kernels)
         self.sampler = sampler_cls(seed=config.seed, eos_token_ids=self.eos_token_ids)
-        # Request extensions (engine/extensions.py): grammar masks for requests with
-        # structured_outputs (lesson 12; idle without them), and LoRA adapters.
+        self.requests: dict[str, Sequence] = {}  # unfinished requests: their first sequence
+        self.groups: dict[str, SequenceGroup] = {}  # ... those with n > 1 or a beam search
+        # Request extensions (engine/extensions.py), each idle while no request uses it: grammar
+        # masks (lesson 12), LoRA adapters (lesson 11), n > 1 and beam search (lesson 06).
         self.structured_output = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_ids, config.max_num_seqs)
         structured = StructuredOutputExtension(self.structured_output)
         self.grammar_compiles = structured.compiles
-        self.ext = Extensions([structured] + ([] if self.lora_manager is None
-                                              else [LoRAExtension(self.lora_manager)]))
-        self.requests: dict[str, Sequence] = {}  # unfinished requests: their first sequence
-        self.groups: dict[str, SequenceGroup] = {}  # ... those with n > 1 or a beam search
+        lora = [] if self.lora_manager is None else [LoRAExtension(self.lora_manager)]
+        self.ext = Extensions([structured, *lora, GroupExtension(self)])
         # One StepRecord per step; a bounded deque where the config caps it (a server).
         self.trace: list[StepRecord] | deque[StepRecord] = (
             [] if config.max_trace_len is None else deque(maxlen=config.max_trace_len))
@@ -206,29 +207,16 @@ class LLMEngine:
                 f"is {max_len}, which must also leave room for at least one generated token. "
                 f"Shorten the prompt to at most {max_len - 1} tokens, or raise max_model_len "
                 f"(the model allows up to {self.model_config.max_position_embeddings}).")
-        beam = None
-        if isinstance(params, BeamSearchParams):
-            processor.check_group_fits(request_id, params.beam_width, "beam_width",
-                                       len(token_ids) + params.max_tokens, self.config,
-                                       self.block_manager, all_resident=True)
-            beam = BeamSearchState(params, self.eos_token_ids, len(token_ids), max_len)
-            size = params.beam_width
-            params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens,
-                                    ignore_eos=params.ignore_eos)
-        else:
-            size = params.n
-            if size > 1:
-                processor.check_group_fits(request_id, size, "n", 0, self.config,
-                                           self.block_manager, all_resident=False)
+        created = []  # what extensions do with the new sequence (e.g. start a group of n)
+        for prepare in self.ext.prepare:
+            params, start = prepare(self, request_id, params, len(token_ids))
+            created += [start] if start else []
         holds = [h for h in (hold(request_id, params) for hold in self.ext.hold) if h]  # last
         seq = Sequence(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
                        prompt=text, arrival_time=arrival_time or time.time(),
                        lora_request=lora_request)
-        if size > 1 or beam is not None:
-            seq.group = SequenceGroup(request_id, size, [seq], beam=beam)
-            self.groups[request_id] = seq.group
-            if beam is not None:
-                seq.logprobs = []
+        for start in created:
+            start(seq)
         self.requests[request_id] = seq
         if not holds:
             self.scheduler.add(seq)
@@ -276,8 +264,6 @@ class LLMEngine:
             hook(self, sched)
         swap_out_blocks(self.kv_cache, self.cpu_cache, sched.blocks_to_swap_out)
         swap_in_blocks(self.cpu_cache, self.kv_cache, sched.blocks_to_swap_in)
-        if self.groups and sched.preempted:
-            groups.drop_beam_logits(sched.preempted)
         return sched
 
     def execute_model(self, sched: SchedulerOutput, *args) -> torch.Tensor:
@@ -329,9 +315,8 @@ class LLMEngine:
         (outputs, finished request ids). A row that raises fails its request alone."""
         outputs: list[RequestOutput] = []
         finished: list[str] = []
-        ready_beams: list[SequenceGroup] = []
-        if self.groups:  # n > 1 or beam search in flight (lesson 06)
-            logits, sampling, ready_beams = groups.split_groups(logits, sampling, self.scheduler)
+        for hook in self.ext.rows_to_sample:  # e.g. a prompt forks into its n samples
+            logits, sampling = hook(self, logits, sampling)
         sampler_out = None
         if sampling:
             for hook in self.ext.process_logits:  # e.g. grammar masks (lesson 12)
@@ -340,11 +325,8 @@ class LLMEngine:
             for seq, exc in errors:
                 self.fail_request(seq, exc, outputs, finished)
         self.process_tokens(sampling, sampler_out, outputs, finished)
-        for group in ready_beams:
-            try:
-                outputs += self._beam_step(group, finished)
-            except Exception as exc:  # this request's fault: it fails alone
-                self.fail_request(self.requests[group.request_id], exc, outputs, finished)
+        for hook in self.ext.after_sample:  # e.g. beam searches step
+            hook(self, outputs, finished)
         return outputs, finished
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]):
@@ -377,23 +359,6 @@ class LLMEngine:
         root.error, root.finished_time = error, time.time()
         outputs.append(failures.error_output(self.output_processor, root, group, live))
         finished.append(seq.request_id)
-
-    def _beam_step(self, group: SequenceGroup, finished: list[str]) -> list[RequestOutput]:
-        groups.beam_step(group, self.scheduler)
-        now = time.time()
-        root = self.requests.get(group.request_id)
-        if root is not None and root.first_token_time is None:
-            root.first_token_time = now
-        if not group.beam.done:
-            return [self.output_processor.make_group_output(group, root)] if self.stream_outputs else []
-        if root is not None:
-            root.finished_time = now
-        out = self.output_processor.make_group_output(group, root)
-        finished.append(group.request_id)
-        self.requests.pop(group.request_id, None)
-        self.groups.pop(group.request_id, None)
-        group.seqs = []
-        return [out]
 
     def process_tokens(self, sampling: list[Sequence], sampler_out: Optional[SamplerOutput],
                        outputs: list[RequestOutput], finished: list[str]) -> None:

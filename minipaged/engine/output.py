@@ -22,7 +22,7 @@ from minipaged.lora.request import LoRARequest
 from minipaged.sampling import Logprob
 
 if TYPE_CHECKING:  # pragma: no cover
-    from minipaged.engine.beam_search import BeamSearchState
+    from minipaged.groups.beam_search import BeamSearchState
 
 
 @dataclass

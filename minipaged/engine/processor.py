@@ -14,7 +14,7 @@ from __future__ import annotations
 import numbers
 from typing import Callable, Optional
 
-from minipaged.engine.beam_search import BeamSearchParams
+from minipaged.groups.beam_search import BeamSearchParams
 from minipaged.lora.request import LoRARequest
 from minipaged.sampling import SamplingParams
 
@@ -63,25 +63,6 @@ def validate_params(request_id: str, params, vocab_size: int, max_logprobs: int)
         raise RequestError(f"logprobs must be <= max_logprobs ({max_logprobs}), got "
                            f"{params.logprobs} (request {request_id!r}); raise max_logprobs "
                            f"(-1: no limit) to ask for more")
-
-
-def check_group_fits(request_id: str, size: int, knob: str, max_len: int, config,
-                     block_manager, all_resident: bool) -> None:
-    """`size` sequences (n samples, or beams) fit max_num_seqs; beams (`all_resident`) must
-    also fit the KV cache together, unshared in the worst case, at `max_len` tokens each."""
-    if size > config.max_num_seqs:
-        raise RequestError(f"request {request_id!r}: {knob}={size} sequences cannot run at "
-                           f"once with max_num_seqs={config.max_num_seqs}. Lower {knob} or raise "
-                           f"max_num_seqs.")
-    if all_resident:  # every beam must be in the cache at once, in the worst case unshared
-        length = min(max_len, config.max_model_len)
-        need = size * block_manager.num_blocks_for(length)
-        if need > block_manager.num_blocks:
-            raise RequestError(
-                f"request {request_id!r}: {knob}={size} beams of up to {length} tokens may need "
-                f"{need} KV blocks at once (if they share nothing), but the cache has "
-                f"{block_manager.num_blocks}. Lower {knob} or max_tokens, or give the cache more "
-                f"blocks.")
 
 
 def check_lora(request_id: str, lora_request, lora_manager) -> None:

@@ -170,7 +170,7 @@ class SequenceGroup:
     request_id: str
     size: int  # n samples, or the beam width
     seqs: list[Sequence]  # samples in index order; for a beam search, the live beams, best first
-    beam: Optional[object] = None  # a beam search's state (engine/beam_search.BeamSearchState)
+    beam: Optional[object] = None  # a beam search's state (groups/beam_search.BeamSearchState)
     forked: bool = False  # the prompt's sequence has been forked into `size` sequences
     num_created: int = 1  # sequences created so far (beams get increasing indices)
 

@@ -94,7 +94,7 @@ def check_draft_model(draft_config, target_config, max_model_len: int) -> None:
 
 def check_request(request_id: str, params) -> None:
     """Requests speculation does not combine with yet: beam search and n > 1."""
-    from minipaged.engine.beam_search import BeamSearchParams
+    from minipaged.groups.beam_search import BeamSearchParams
     from minipaged.engine.processor import RequestError
     if isinstance(params, BeamSearchParams):
         raise RequestError(f"request {request_id!r}: beam search does not combine with "

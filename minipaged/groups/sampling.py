@@ -1,5 +1,7 @@
 """Requests of several sequences around the sampler: n > 1 samples and beam search (lesson 06).
 
+The engine calls these through `GroupExtension` (extension.py), a request extension.
+
 A group's prompt is prefilled once by one sequence. When it reaches its first sample,
 `split_groups` forks it into its `n` samples (they share every block; each samples its own first
 token from the same logits row). A beam search sets each beam's logits aside until every live
