@@ -186,7 +186,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         processor.validate_params(request_id, params, vocab, self.config.max_logprobs)
         if self.spec_decode is not None:  # n > 1 and beam search do not speculate yet
-            from minipaged.spec_decode.config import check_request
+            from minipaged.spec_decode.request_checks import check_request
             check_request(request_id, params)
         if lora_request is not None:  # read and checked here (lora/manager.py)
             processor.check_lora(request_id, lora_request, self.lora_manager)
