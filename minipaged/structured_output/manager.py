@@ -46,7 +46,7 @@ import torch
 
 from minipaged.engine.sequence import Sequence, SequenceStatus
 from minipaged.sampling.params import TokenMask
-from minipaged.structured_output.params import StructuredOutputsParams, grammar_of, library_error
+from minipaged.sampling.structured_outputs import StructuredOutputsParams, grammar_of, library_error
 
 
 class RequestGrammarError(ValueError):
