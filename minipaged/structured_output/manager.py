@@ -184,6 +184,16 @@ class StructuredOutputManager:
         self._batch.batch_fill_next_token_bitmask(matchers, self._bitmask, indices=rows)
         return rows
 
+    def fill_rows(self, calls, rows: list[int]) -> None:
+        """Fill the host bitmask's `rows` with the next-token masks of `calls`' matchers
+        (batch_calls.BatchCalls, one per row) on the batched filler's threads: background.py's
+        worker runs this after `prepare_buffers`."""
+        calls.fill(self._batch, self._bitmask, rows)
+
+    def fill_row(self, matcher, row: int) -> None:
+        """One matcher's next-token mask into the host bitmask's `row` (to find a failing row)."""
+        matcher.fill_next_token_bitmask(self._bitmask, row)
+
     def prepare_buffers(self, num_rows: int, pin: bool) -> None:
         """Host bitmask and row-index buffers for `num_rows` rows (pinned for a GPU), and the
         batched filler; waits until the last step's copy has left the buffers."""
