@@ -1,6 +1,6 @@
 """Building a model from a `ModelSource` (source.py finds it): `LlamaForCausalLM` in the
 engine's dtype on its device, its weights from safetensors, a GGUF file or a dummy preset's
-seeded init; then the optional weight quantization, and the tokenizer.
+seeded init; then the optional weight quantization (lesson 11), and the tokenizer.
 
 The finding half (HF folders, hub ids, stories260K, dummy presets) is `models/source.py`; its
 names are imported here too, so `minipaged.models.loader.resolve_model` keeps working.

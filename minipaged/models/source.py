@@ -1,4 +1,5 @@
-"""Finding models: HF directories, hub ids, the built-in `stories260K`, dummy presets, GGUF files.
+"""Finding models: HF directories, hub ids, the built-in `stories260K`, dummy presets, GGUF files
+(lessons 06, 08 and 11 read model configs through it; lesson 11 reads a GGUF file).
 
     LLM("stories260K")            the real tiny Llama of the lessons: found locally, else fetched
     LLM("/path/to/hf_dir")        config.json + *.safetensors + tokenizer files

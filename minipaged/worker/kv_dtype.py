@@ -1,5 +1,5 @@
 """What the KV cache stores: `EngineConfig.kv_cache_dtype` as a torch dtype, and the float8 rules
-(lesson 08's fp8 KV cache).
+(lesson 11 measures an fp8 KV cache; lesson 00 counts its bytes per element).
 
 With kv_cache_dtype="fp8" the cache holds float8 e4m3: new K/V are clamped to +-448 (an
 out-of-range value would become NaN) and cast, unscaled; block copies and slot writes move the
