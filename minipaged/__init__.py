@@ -12,8 +12,9 @@ from minipaged.llm import LLM
 from minipaged.engine.output import CompletionOutput, RequestOutput
 from minipaged.lora import LoRARequest
 from minipaged.sampling import SamplingParams
+from minipaged.sampling.structured_outputs import StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput",
            "CompletionOutput", "RequestError", "BeamSearchParams", "BeamSearchOutput",
-           "BeamSearchSequence", "LoRARequest"]
+           "BeamSearchSequence", "LoRARequest", "StructuredOutputsParams"]

@@ -202,7 +202,7 @@ class EngineConfig:
         dtype = self.dtype
         if dtype == "auto":
             dtype = str(model_config.torch_dtype).removeprefix("torch.")
-        from minipaged.attention import default_backend_name
+        from minipaged.attention.selector import default_backend_name
         backend = self.attention_backend or default_backend_name(device)
         fused = self.fused_ops
         if fused is None:
@@ -221,8 +221,7 @@ class EngineConfig:
             check_tensor_parallel(out, model_config)
         spec = out.speculative
         if spec is not None and spec.method == "draft_model":  # its vocabulary and length
-            from minipaged.spec_decode.draft_proposer import draft_model_config
-            from minipaged.spec_decode.config import check_draft_model
+            from minipaged.spec_decode.config import check_draft_model, draft_model_config
             check_draft_model(draft_model_config(spec.model), model_config, out.max_model_len)
         return out
 

@@ -20,7 +20,7 @@ from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 from helpers import STORIES_EXPECTED
 from minipaged import LLM, SamplingParams
 from minipaged.cli import main as cli_main
-from minipaged.models import hub, loader
+from minipaged.models import hub, loader, source
 from minipaged.models.loader import resolve_model
 
 SPEC = hub.STORIES260K
@@ -61,7 +61,7 @@ def empty_search_path(monkeypatch, tmp_path) -> Path:
     monkeypatch.setenv("MINIPAGED_CACHE", str(tmp_path / "cache"))
     (tmp_path / "empty").mkdir()
     monkeypatch.setenv("MINIPAGED_MODEL_PATH", str(tmp_path / "empty"))
-    monkeypatch.setattr(loader, "shared_model_dirs", lambda: [])
+    monkeypatch.setattr(source, "shared_model_dirs", lambda: [])
     return tmp_path / "cache" / "models"
 
 

@@ -203,8 +203,8 @@ def test_bad_engine_args(kw, match):
 
 def test_unknown_builtin_location_is_explained(monkeypatch, tmp_path):
     import huggingface_hub.constants
-    import minipaged.models.loader as loader
-    monkeypatch.setattr(loader, "model_search_path", lambda: [tmp_path / "nowhere"])
+    import minipaged.models.source as source
+    monkeypatch.setattr(source, "model_search_path", lambda: [tmp_path / "nowhere"])
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # never fetch here
     with pytest.raises(FileNotFoundError) as e:
         resolve_model("stories260K")

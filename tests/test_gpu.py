@@ -323,7 +323,7 @@ def test_lora_triton_kernel_bf16_on_gpu():
     """The tensor-core branch in bf16 (what the benchmark runs) against the fp32 reference of
     the same bf16 inputs, with decode-sized and prefill-sized batches and Qwen3-0.6B's widths."""
     from minipaged.lora import punica
-    from minipaged.lora.punica import TritonPunicaWrapper
+    from minipaged.lora.triton_punica import TritonPunicaWrapper
     g = torch.Generator().manual_seed(0)
     for num_tokens, k, n, out in ((256, 1024, 48, 4096), (3000, 3072, 16, 1024)):
         x = torch.randn(num_tokens, k, generator=g).bfloat16()

@@ -8,7 +8,7 @@ import torch
 
 from minipaged import LLM, EngineConfig, SamplingParams
 from minipaged.attention.torch_ref import paged_attention_reference
-from minipaged.worker.kv_cache import FP8_MAX, raw, to_cache_dtype
+from minipaged.worker.kv_dtype import FP8_MAX, raw, to_cache_dtype
 from tests.helpers import STORIES_EXPECTED
 
 SP = SamplingParams(temperature=0, max_tokens=40)

@@ -304,7 +304,8 @@ def test_triton_kernel_equals_reference(num_tokens, max_loras, n, k, out):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and TRITON_INTERPRET is not set")
-    from minipaged.lora.punica import PunicaWrapper, TritonPunicaWrapper
+    from minipaged.lora.punica import PunicaWrapper
+    from minipaged.lora.triton_punica import TritonPunicaWrapper
     x, a, b, scaling, token_lora = _random_case(num_tokens, max_loras, n, k, out, seed=num_tokens)
     y = torch.randn(num_tokens, out)
     want = punica.add_lora(y.clone(), x, a, b, scaling, token_lora)
@@ -437,7 +438,7 @@ def test_triton_kernel_half_precision_path():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and TRITON_INTERPRET is not set")
-    from minipaged.lora.punica import TritonPunicaWrapper
+    from minipaged.lora.triton_punica import TritonPunicaWrapper
     x, a, b, scaling, token_lora = _random_case(40, 3, 48, 1100, 96, seed=1)
     a, b, y = a * 0.1, b * 0.1, torch.randn(40, 96)
     half = [t.half() for t in (y, x, a, b)]
@@ -459,7 +460,7 @@ def test_engine_with_triton_kernels_equals_reference(adapters):
     pytest.importorskip("triton")
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and TRITON_INTERPRET is not set")
-    from minipaged.lora.punica import TritonPunicaWrapper
+    from minipaged.lora.triton_punica import TritonPunicaWrapper
     prompts = [p[:6] for p in PROMPTS[:2]] * 2
     loras = [adapters["all8"][0], adapters["rs16"][0], None, adapters["all8"][0]]
     llm = lora_llm()

@@ -15,7 +15,8 @@ from torch import nn
 from minipaged import LLM, LoRARequest, SamplingParams
 from minipaged.lora import punica
 from minipaged.lora.layers import LoRALinear
-from minipaged.lora.punica import PunicaWrapper, TritonPunicaWrapper
+from minipaged.lora.punica import PunicaWrapper
+from minipaged.lora.triton_punica import TritonPunicaWrapper
 from minipaged.lora.random_adapter import save_random_adapter
 from minipaged.models.config import ModelConfig
 from minipaged.models.loader import resolve_builtin

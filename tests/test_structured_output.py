@@ -250,7 +250,7 @@ def test_a_spec_is_parsed_once_and_a_refused_one_refused_every_time(monkeypatch)
     sees the same schemas again and again); a refused spec stays refused."""
     import xgrammar as xgr
 
-    from minipaged.structured_output import params as so_params
+    from minipaged.sampling import structured_outputs as so_params
     so_params._spec_error.cache_clear()  # (the test may run again in this process)
     calls = []
     parse = xgr.Grammar.from_json_schema

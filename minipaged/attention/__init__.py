@@ -9,29 +9,13 @@
 
 Every backend implements `AttentionBackend` (metadata.py): `prepare(metadata)` once per step
 (work that is the same for every layer), then `store_kv(...)` and `attend(...)` once per layer.
-The model never knows which one runs; `EngineConfig.resolve` picks it (`default_backend_name`).
+The model never knows which one runs; `EngineConfig.resolve` picks it (`default_backend_name`,
+selector.py).
 """
 from __future__ import annotations
 
 from minipaged.attention.metadata import AttentionBackend, AttentionMetadata
-
-BACKENDS = ("torch_ref", "cpu", "triton")
-
-
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def default_backend_name(device: str) -> str:
-    """`triton` on CUDA (`torch_ref` there without triton), `cpu` elsewhere (the CPU runs Triton
-    only under TRITON_INTERPRET=1)."""
-    if str(device).startswith("cuda"):
-        return "triton" if triton_available() else "torch_ref"
-    return "cpu"
+from minipaged.attention.selector import BACKENDS, default_backend_name, triton_available
 
 
 def get_attention_backend(name: str, device: str) -> AttentionBackend:

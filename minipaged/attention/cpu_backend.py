@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from minipaged.attention.metadata import AttentionMetadata
 from minipaged.attention.torch_ref import TorchRefBackend
 from minipaged.utils import cdiv
-from minipaged.worker.kv_cache import raw, to_cache_dtype
+from minipaged.worker.kv_dtype import raw, to_cache_dtype
 
 # KV heads packed block-diagonally up to this many values per key row (num_kv_heads * head_dim):
 # measured at stories260K's 4 x 8; wider rows keep torch_ref's packing (one problem per KV head).

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from minipaged.attention.metadata import AttentionBackend, AttentionMetadata
 from minipaged.utils import cdiv
-from minipaged.worker.kv_cache import raw, to_cache_dtype
+from minipaged.worker.kv_dtype import raw, to_cache_dtype
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from minipaged.attention import triton_kernels as tk
+import minipaged.attention.triton_kernels as tk
 from minipaged.attention.metadata import AttentionBackend, AttentionMetadata
 
 _NUM_SMS: dict[str, int] = {}

@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from minipaged.utils import check_last_dim_contiguous, last_dim_contiguous
-from minipaged.worker.kv_cache import is_fp8, to_cache_dtype
+from minipaged.worker.kv_dtype import is_fp8, to_cache_dtype
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """`minipaged bench [MODEL]`: minipaged's throughput beside the naive Hugging Face baselines.
 
-The workloads, runners and table live in `minipaged/lessons/bench.py` (lessons 03 and 08 use
-them too, and its docstring is below); this is the command line around them, with every engine
+The workloads, runners and table live in `minipaged/benchmark/throughput.py` (lessons 03 and 08
+use them too, and its docstring is below); this is the command line around them, with every engine
 flag of `EngineConfig`. A bar counts the backends and one the requests of each (`--disable-tqdm`
 hides them); the table goes to stdout and, with `--json FILE`, with the environment into FILE
 (rewritten after every backend, so a run stopped later keeps its rows).
@@ -16,13 +16,13 @@ from typing import Optional
 from minipaged.cli.args import (FlexibleArgumentParser, add_common_args, add_engine_args,
                                 engine_config_from_args, int_at_least)
 from minipaged.cli.errors import run_command
-from minipaged.lessons import bench as lessons_bench
-from minipaged.lessons.bench import BACKENDS, WORKLOADS, BenchResult
+import minipaged.benchmark.throughput as throughput
+from minipaged.benchmark.throughput import BACKENDS, WORKLOADS, BenchResult
 
 
 def make_parser() -> FlexibleArgumentParser:
     ap = FlexibleArgumentParser(prog="minipaged bench",
-                                description=__doc__ + "\n" + lessons_bench.__doc__)
+                                description=__doc__ + "\n" + throughput.__doc__)
     w = ap.add_argument_group("workload and backends")
     w.add_argument("--workload", default="cpu", choices=WORKLOADS, help="the request mix")
     w.add_argument("--num-requests", type=int_at_least(1), default=None,
@@ -65,7 +65,7 @@ def bench(argv: list[str]) -> int:
     from minipaged import LLM
     llm = LLM(**asdict(config))
     model, mc = llm.config.model, llm.engine.model_config
-    wl = lessons_bench.make_workload(
+    wl = throughput.make_workload(
         args.workload, mc.vocab_size, args.num_requests, args.seed, args.input_len,
         args.output_len, bos=mc.bos_token_id if args.workload != "nanovllm" else None,
         max_model_len=llm.engine.config.max_model_len)
@@ -75,14 +75,14 @@ def bench(argv: list[str]) -> int:
     results: list[BenchResult] = []
 
     def report() -> dict:  # written after every backend: a run stopped later keeps these rows
-        rep = {"environment": lessons_bench.environment(), "model": model,
+        rep = {"environment": throughput.environment(), "model": model,
                "command": "minipaged bench " + " ".join(argv),
                "workload": {"name": wl.name, "num_requests": len(wl.prompts), "seed": args.seed,
                             "prompt_tokens": wl.num_prompt_tokens,
                             "output_tokens": sum(wl.max_tokens),
                             "temperature": args.temperature, "ignore_eos": True},
                "results": [asdict(r) for r in results],
-               "table": lessons_bench.format_table(results)}
+               "table": throughput.format_table(results)}
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rep, f, indent=1)
@@ -98,7 +98,7 @@ def bench(argv: list[str]) -> int:
               dynamic_ncols=True) as outer:
         if "minipaged" in backends:
             outer.set_postfix_str("minipaged")
-            done(lessons_bench.run_minipaged(llm, wl, args.temperature, use_tqdm=not quiet))
+            done(throughput.run_minipaged(llm, wl, args.temperature, use_tqdm=not quiet))
             outer.update(1)
         hf_backends = [b for b in backends if b.startswith("hf")]
         if hf_backends:
@@ -112,7 +112,7 @@ def bench(argv: list[str]) -> int:
             with tqdm(total=len(sub.prompts), desc=b, unit="req", leave=False, disable=quiet,
                       dynamic_ncols=True) as bar:
                 try:
-                    done(lessons_bench.run_hf(b, hf_model, sub, args.hf_batch_size,
+                    done(throughput.run_hf(b, hf_model, sub, args.hf_batch_size,
                                               sub is not wl, progress=bar.update))
                 except Exception as e:  # one baseline failing must not lose the others' numbers
                     tqdm.write(f"{b}: failed ({type(e).__name__}: {e})", file=sys.stdout)
@@ -123,9 +123,9 @@ def bench(argv: list[str]) -> int:
 
 def load_hf_twin(llm):
     """The same model in transformers: from its folder, or the dummy preset's weights copied."""
-    from minipaged.lessons.baseline import load_hf_model
+    from minipaged.benchmark.hf_baselines import load_hf_model
     if llm.engine.source.path is None:
-        return lessons_bench.hf_from_dummy(llm)
+        return throughput.hf_from_dummy(llm)
     return load_hf_model(str(llm.engine.source.path), llm.engine.dtype, str(llm.engine.device))
 
 

@@ -52,7 +52,7 @@ def demo(argv: list[str]) -> int:
     from tqdm.auto import tqdm
 
     from minipaged import LLM, SamplingParams
-    from minipaged.lessons.baseline import hf_sequential, load_hf_model
+    from minipaged.benchmark.hf_baselines import hf_sequential, load_hf_model
 
     prompts = DEMO_OPENINGS[:a.num_requests]
     print(f"minipaged demo: {len(prompts)} stories260K requests, greedy, up to {a.max_tokens} "

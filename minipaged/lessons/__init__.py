@@ -7,8 +7,8 @@
     chunked_prefill.py  lesson 03's decode ITL, chunked prefill on and off
     sharing.py        lesson 06's memory saved by sharing; n samples by fork vs by n requests
     preemption.py     lesson 06's recompute vs swap preemption runs and the swap copy timing
-    baseline.py       the naive Hugging Face baselines (sequential, static, continuous batching)
-    bench.py          workloads and the side-by-side throughput runs (`minipaged bench`)
+    baseline.py       the naive Hugging Face baselines (re-exported from minipaged/benchmark/)
+    bench.py          workloads and the side-by-side throughput runs (the same: `minipaged bench`)
     tp.py             lesson 09's tensor-parallel shards and data-flow pictures
     tp_measure.py     lesson 09's gloo timings of one step (compute vs communication)
     quantization.py   lesson 11's fp8 measurements: logits cosine, top-1 agreement, weight error

@@ -66,7 +66,7 @@ def lesson_workload(num_requests: int = 12, seed: int = 0, output_scale: int = 4
                     max_model_len: int = 256):
     """A small CPU workload (prompts U[4, 64], outputs U[16, 256] / `output_scale`), real token
     ids from stories260K's vocabulary starting with BOS, EOS ignored."""
-    from minipaged.lessons.bench import make_workload
+    from minipaged.benchmark.throughput import make_workload
     wl = make_workload("cpu", 512, num_requests, seed=seed, bos=1, max_model_len=max_model_len)
     wl.max_tokens = [max(2, m // output_scale) for m in wl.max_tokens]
     return wl
@@ -118,7 +118,7 @@ def side_by_side(llm, hf, wl, hf_batch_sizes: tuple = HF_STATIC_BATCH_SIZES, rep
     not one picked in advance, and a busy moment of a shared machine does not decide it."""
     import dataclasses
 
-    from minipaged.lessons.bench import run_hf, run_minipaged
+    from minipaged.benchmark.throughput import run_hf, run_minipaged
     n = len(wl.prompts)
     runners = {"minipaged": lambda: run_minipaged(llm, wl),
                "hf-sequential": lambda: run_hf("hf-sequential", hf, wl, 1, False)}
@@ -141,7 +141,7 @@ def throughput_results(num_requests: int = 32, hf_batch_sizes: tuple = HF_STATIC
                        repeats: int = 3):
     """`side_by_side` on the lesson workload of `num_requests` (lesson 03, `throughput.png`)."""
     from minipaged import LLM
-    from minipaged.lessons.baseline import load_hf_model
+    from minipaged.benchmark.hf_baselines import load_hf_model
     wl = lesson_workload(num_requests, output_scale=2)
     llm = LLM("stories260K", max_model_len=256)
     hf = load_hf_model(str(llm.engine.source.path))

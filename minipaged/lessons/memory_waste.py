@@ -398,7 +398,7 @@ def make_trace(name: str = "sharegpt", num_requests: int = 200, seed: int = 0,
                max_model_len: int = 2048) -> list[Request]:
     """Lengths drawn like the paper's datasets (exponential, with ShareGPT's or Alpaca's means),
     through `minipaged.lessons.bench.make_workload`, clipped so prompt + output <= max_model_len."""
-    from minipaged.lessons.bench import make_workload
+    from minipaged.benchmark.throughput import make_workload
     wl = make_workload(name, vocab_size=32000, num_requests=num_requests, seed=seed,
                        max_model_len=max_model_len)
     return requests_from(wl)

@@ -43,7 +43,7 @@ PREEMPTION_MODES = ("none", "recompute", "recompute+prefix", "swap")
 
 
 def preemption_workload(num_requests: int = 64, seed: int = 0, vocab_size: int = 512):
-    from minipaged.lessons.bench import make_workload
+    from minipaged.benchmark.throughput import make_workload
     return make_workload("cpu", vocab_size=vocab_size, num_requests=num_requests, seed=seed, bos=1)
 
 

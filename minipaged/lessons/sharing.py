@@ -63,7 +63,7 @@ def sharing_savings(trace) -> dict:
 
 
 def alpaca_workload(num_requests: int, seed: int = 0, max_model_len: int = 512):
-    from minipaged.lessons.bench import make_workload
+    from minipaged.benchmark.throughput import make_workload
     return make_workload("alpaca", vocab_size=512, num_requests=num_requests, seed=seed, bos=1,
                          max_model_len=max_model_len)
 

@@ -23,13 +23,10 @@ Nothing here is on the engine's path.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
 import torch
-
-if TYPE_CHECKING:  # pragma: no cover
-    from minipaged.lessons.tp_measure import StepSplit
 
 RANK_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd")
 ALL_REDUCE_COLOR = "#d62728"
@@ -353,6 +350,29 @@ def collective_counts(messages: Sequence[Message]) -> dict:
 
 
 # --- pictures of the measurements ---------------------------------------------------------------
+@dataclass
+class StepSplit:
+    """One decode step of one model at one N, best of `repeats` each (seconds): what
+    tp_measure.measure returns and plot_step_split draws.
+
+    step_s:    the engine's step (rank 0's TPDriverRunner.execute; ModelRunner at N=1)
+    comm_s:    the same collectives, in the same order and sizes, with nothing else running
+    compute_s: the same forward with its collectives skipped, all ranks at once (the slowest)
+    compute_cpu_s: the CPU time of that forward (its thread's, the busiest rank's): the work
+               one rank does, whether or not it had a core to itself meanwhile
+    """
+
+    model: str
+    world_size: int
+    num_seqs: int
+    step_s: float
+    comm_s: float
+    compute_s: float
+    compute_cpu_s: float = 0.0
+    collectives: dict = field(default_factory=dict)  # counted in the real forward on rank 0
+    params_per_rank: int = 0
+
+
 def plot_step_split(splits: Sequence[StepSplit], cores: Optional[int] = None):
     """One row per (model, N), stacked: the compute's CPU time on the busiest rank (its work),
     the wall time the compute alone took beyond that (hatched: the rank waited for a core),

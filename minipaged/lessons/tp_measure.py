@@ -6,7 +6,7 @@ compute and communication (the pictures and shards are in tp.py).
         the engine's way (TPDriverRunner.execute on rank 0, run_worker's loop on the others),
         counting the collectives its forward makes; then the same step's collectives alone and
         its compute alone (wall and CPU time), then all-reduces of several sizes; best of
-        `repeats` each. Returns `StepSplit`s and the all-reduce times.
+        `repeats` each. Returns `StepSplit`s (tp.py) and the all-reduce times.
 
 The measured step is one decode step of `num_seqs` sequences built as the scheduler would
 (`ModelRunner.prepare_inputs` on a stand-in SchedulerOutput), so the tensors, the broadcast, the
@@ -17,38 +17,15 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Sequence
 
 import torch
 
-from minipaged.lessons.tp import RANDOM_NAME, model_label, model_source
+from minipaged.lessons.tp import RANDOM_NAME, StepSplit, model_label, model_source
 
 
 # --- measuring ----------------------------------------------------------------------------------
-@dataclass
-class StepSplit:
-    """One decode step of one model at one N, best of `repeats` each (seconds).
-
-    step_s:    the engine's step (rank 0's TPDriverRunner.execute; ModelRunner at N=1)
-    comm_s:    the same collectives, in the same order and sizes, with nothing else running
-    compute_s: the same forward with its collectives skipped, all ranks at once (the slowest)
-    compute_cpu_s: the CPU time of that forward (its thread's, the busiest rank's): the work
-               one rank does, whether or not it had a core to itself meanwhile
-    """
-
-    model: str
-    world_size: int
-    num_seqs: int
-    step_s: float
-    comm_s: float
-    compute_s: float
-    compute_cpu_s: float = 0.0
-    collectives: dict = field(default_factory=dict)  # counted in the real forward on rank 0
-    params_per_rank: int = 0
-
-
 def decode_sched(num_seqs: int, context_len: int, block_size: int, vocab: int):
     """A stand-in SchedulerOutput: `num_seqs` sequences of `context_len` tokens, each decoding
     its last one, blocks allotted back to back (what prepare_inputs reads of a real one)."""

@@ -35,8 +35,8 @@ def startup_seconds(model: str, hf_path: str, repeats: int = 3, **llm_kw) -> Sta
     """Best-of-`repeats` construction time of `LLM(model, **llm_kw)` and of the HF model, in a
     process that has imported both already (a first import costs seconds either way)."""
     from minipaged import LLM
-    from minipaged.lessons.baseline import load_hf_model
-    from minipaged.lessons.baseline import quiet_transformers
+    from minipaged.benchmark.hf_baselines import load_hf_model
+    from minipaged.benchmark.hf_baselines import quiet_transformers
     mp, hf = [], []
     for _ in range(repeats):
         mp.append(_best(lambda: LLM(model, **llm_kw), 1))
@@ -59,7 +59,7 @@ def one_request_seconds(llm, hf, prompt: Sequence[int], max_tokens: int = 32,
     """One greedy request of `max_tokens` tokens (EOS ignored): `llm.generate` against HF
     `generate`, best of `repeats` each after one warm-up call, and whether they agree."""
     from minipaged import SamplingParams
-    from minipaged.lessons.baseline import quiet_transformers
+    from minipaged.benchmark.hf_baselines import quiet_transformers
     x = torch.tensor([list(prompt)])
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -97,7 +97,7 @@ def hook_captures(llm, hf, prompts: Sequence[Sequence[int]], max_tokens: int = 3
     `prompts` together: the hook sees one flat (tokens of the step, hidden) tensor per engine
     step, every request's tokens side by side, to be split with the step's metadata."""
     from minipaged import SamplingParams
-    from minipaged.lessons.baseline import quiet_transformers
+    from minipaged.benchmark.hf_baselines import quiet_transformers
     out = []
     for name, module in (("hf", hf.model.layers[layer].mlp),
                          ("minipaged", llm.engine.model.model.layers[layer].mlp)):

@@ -19,8 +19,8 @@ Around a plain `nn.Linear` the slots' A live in one tensor with the base weight 
                                           a view of them), then lora_a's slots, one after another
 
 so on CUDA one GEMM gives the base output and every slot's shrink at once, and only the expand
-is left to a LoRA kernel (punica.py's TritonPunicaWrapper.forward): a decode step launches one
-small kernel per wrapped layer instead of two, for a GEMM a few percent wider.
+is left to a LoRA kernel (triton_punica.py's TritonPunicaWrapper.forward): a decode step
+launches one small kernel per wrapped layer instead of two, for a GEMM a few percent wider.
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ import torch
 
 from minipaged.lora.adapter import MODULE_SLICES, LoRAAdapter, load_adapter, module_shapes
 from minipaged.lora.layers import LoRALinear
-from minipaged.lora.punica import PunicaWrapper, TritonPunicaWrapper
+from minipaged.lora.punica import PunicaWrapper
 from minipaged.lora.request import LoRARequest
 
 
@@ -59,7 +59,9 @@ class LoRAModelManager:
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.max_cpu_loras = max_cpu_loras
         self.live_lora_ids = live_lora_ids  # the adapters of the engine's unfinished requests
-        wrapper = TritonPunicaWrapper if device.type == "cuda" else PunicaWrapper
+        wrapper = PunicaWrapper
+        if device.type == "cuda":  # the Triton kernels (defined on import: CUDA only)
+            from minipaged.lora.triton_punica import TritonPunicaWrapper as wrapper
         self.punica = wrapper(max_loras, max_num_tokens, device)
         self.layers: dict[tuple[int, str], LoRALinear] = {}  # (layer, stacked name) -> layer
         shapes = module_shapes(model_config)

@@ -17,7 +17,8 @@ This file is the readable definition and the oracle: it gathers each token's A a
 a batched matmul. `triton_punica.py` computes the same sums on CUDA without materialising the
 gathered weights (tokens sorted by slot, one tile of a slot's weights read per tile of tokens);
 tests/test_lora.py checks one against the other. `PunicaWrapper` holds the step's token-to-slot
-mapping that the model runner sets before each forward (layers.py reads it).
+mapping that the model runner sets before each forward (layers.py reads it); its CUDA variant,
+`TritonPunicaWrapper`, is in triton_punica.py beside the kernels it calls.
 """
 from __future__ import annotations
 
@@ -125,39 +126,3 @@ class PunicaWrapper:
             return y
         return add_lora(y, x, lora_a, lora_b, self.scaling, self.token_lora[:x.shape[0]])
 
-
-class TritonPunicaWrapper(PunicaWrapper):
-    """The same mapping, computed by the Triton kernels (triton_punica.py): the CUDA variant.
-
-    An eager step launches them only if one of its tokens has an adapter. A CUDA graph records
-    them unconditionally (their grid depends only on the token count), so a captured decode
-    step replays whatever adapters the next steps bring; only the second set of decode graphs
-    that lora/runner.py captures for steps without adapter tokens leaves them out
-    (`capturing_base`). A layer whose slots' A are stacked under its base weight (layers.py,
-    `w_cat`) gets the base output and every slot's shrink from one GEMM, then the expand."""
-
-    capturing_base = False
-
-    def _launches(self, x: torch.Tensor) -> bool:
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return not self.capturing_base
-        return self.any_lora
-
-    def forward(self, layer, x: torch.Tensor) -> torch.Tensor:
-        if not self._launches(x) or x.shape[0] == 0:
-            return layer.base_layer(x)
-        if layer.w_cat is None:
-            return self.add_lora(layer.base_layer(x), x, layer.lora_a, layer.lora_b)
-        from minipaged.lora import triton_punica
-        y, t = triton_punica.stacked_shrink_and_base(x, layer.w_cat, layer.b_cat,
-                                                     layer.lora_b.shape[1])
-        return triton_punica.expand(y, t, layer.lora_b, self.scaling, self.sorted_token_ids,
-                                    self.tile_slot, self.tile_start, self.tile_len)
-
-    def add_lora(self, y, x, lora_a, lora_b):
-        if not self._launches(x):
-            return y
-        from minipaged.lora import triton_punica
-        return triton_punica.add_lora(y, x, lora_a, lora_b, self.scaling,
-                                      self.sorted_token_ids, self.tile_slot, self.tile_start,
-                                      self.tile_len)

@@ -22,6 +22,9 @@ Per the DESIGN notes: power-of-two tiles, indices widened to int64 before a stri
 tiles of at least 16 for `tl.dot` on a GPU; fp32 inputs are multiplied in full precision
 ("ieee"), half-precision ones on the tensor cores with fp32 sums. On the CPU the kernels run
 under TRITON_INTERPRET=1 (set before this module is imported).
+
+`TritonPunicaWrapper` (below) is punica.py's `PunicaWrapper` calling these kernels; the LoRA
+manager picks it on CUDA.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minipaged.lora.punica import TILE_TOKENS
+from minipaged.lora.punica import TILE_TOKENS, PunicaWrapper
 
 
 @triton.jit
@@ -192,3 +195,36 @@ def stacked_shrink_and_base(x: torch.Tensor, w_cat: torch.Tensor, b_cat: torch.T
     (num_tokens, max_loras * n), views of one (num_tokens, out + max_loras * n) output."""
     full = torch.nn.functional.linear(x, w_cat, b_cat)
     return full[:, :out], full[:, out:]
+
+
+class TritonPunicaWrapper(PunicaWrapper):
+    """The same mapping, computed by the Triton kernels (this file's): the CUDA variant.
+
+    An eager step launches them only if one of its tokens has an adapter. A CUDA graph records
+    them unconditionally (their grid depends only on the token count), so a captured decode
+    step replays whatever adapters the next steps bring; only the second set of decode graphs
+    that lora/runner.py captures for steps without adapter tokens leaves them out
+    (`capturing_base`). A layer whose slots' A are stacked under its base weight (layers.py,
+    `w_cat`) gets the base output and every slot's shrink from one GEMM, then the expand."""
+
+    capturing_base = False
+
+    def _launches(self, x: torch.Tensor) -> bool:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return not self.capturing_base
+        return self.any_lora
+
+    def forward(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if not self._launches(x) or x.shape[0] == 0:
+            return layer.base_layer(x)
+        if layer.w_cat is None:
+            return self.add_lora(layer.base_layer(x), x, layer.lora_a, layer.lora_b)
+        y, t = stacked_shrink_and_base(x, layer.w_cat, layer.b_cat, layer.lora_b.shape[1])
+        return expand(y, t, layer.lora_b, self.scaling, self.sorted_token_ids, self.tile_slot,
+                      self.tile_start, self.tile_len)
+
+    def add_lora(self, y, x, lora_a, lora_b):
+        if not self._launches(x):
+            return y
+        return add_lora(y, x, lora_a, lora_b, self.scaling, self.sorted_token_ids,
+                        self.tile_slot, self.tile_start, self.tile_len)

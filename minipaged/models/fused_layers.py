@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
+import minipaged.models.triton_ops as triton_ops
 from minipaged.attention import AttentionMetadata
-from minipaged.models import triton_ops
 from minipaged.models.layers import Layers, QKVRopeStore, RMSNorm, RotaryEmbedding, SiluAndMul
 
 

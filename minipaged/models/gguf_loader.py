@@ -200,7 +200,7 @@ def _natural_dtype(reader) -> str:
 
 def _known_model(path: Path):
     """The hub.py model this file is (same size and SHA-256), or None."""
-    from minipaged.models import hub
+    import minipaged.models.hub as hub
     size = path.stat().st_size
     candidates = [m for m in hub.HUB_MODELS.values() if m.size == size]
     if not candidates:
@@ -276,7 +276,7 @@ def load_gguf_tokenizer(path: str | os.PathLike, model_max_length: Optional[int]
     import gguf
     from transformers import AutoTokenizer
 
-    from minipaged.models import hub
+    import minipaged.models.hub as hub
 
     path = Path(path)
     reader = _reader(path)

@@ -8,7 +8,8 @@
 `llama.py` builds its layers from a `Layers` set and never asks which one it got. This file is
 the torch set (`TORCH_LAYERS`), the definition lessons 00 and 05 read and the parity tests run.
 `fused_layers.py` holds the same four layers as fused Triton kernels (vLLM's CustomOp idea: one
-layer, two implementations, chosen once when the model is built); `get_layers` picks the set.
+layer, two implementations, chosen once when the model is built); `get_layers` (loader.py)
+picks the set.
 """
 from __future__ import annotations
 
@@ -157,11 +158,3 @@ class Layers:
 
 TORCH_LAYERS = Layers("torch", RMSNorm, RotaryEmbedding, QKVRopeStore, SiluAndMul)
 
-
-def get_layers(fused: bool) -> Layers:
-    """The torch layers, or their fused Triton variants (imported only when asked for: they need
-    `triton`, and on the CPU TRITON_INTERPRET=1 set before they are defined)."""
-    if not fused:
-        return TORCH_LAYERS
-    from minipaged.models.fused_layers import FUSED_LAYERS
-    return FUSED_LAYERS

@@ -32,6 +32,15 @@ from minipaged.models.config import ModelConfig
 from minipaged.models.layers import TORCH_LAYERS, Layers, RMSNorm
 
 
+def stacked_sizes(cfg: ModelConfig, stacked: str, total: int) -> list[int]:
+    """The rows of each part of a stacked weight of `total` rows: q, k, v of `qkv_proj`, or
+    gate, up of `gate_up_proj` (the loaders and the tensor-parallel shards cut along them)."""
+    if stacked == "qkv_proj":
+        kv = cfg.num_key_value_heads * cfg.head_dim
+        return [total - 2 * kv, kv, kv]
+    return [total // 2, total // 2]
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layers: Layers):
         super().__init__()
@@ -146,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
                 if f".{theirs}." in name:
                     target = name.replace(f".{theirs}.", f".{ours}.")
                     param = params[target]
-                    sizes = self._shard_sizes(ours, param.shape[0])
+                    sizes = stacked_sizes(self.config, ours, param.shape[0])
                     start = sum(sizes[:shard])
                     param.data[start:start + sizes[shard]].copy_(tensor)
                     loaded.add(f"{target}#{shard}")
@@ -163,13 +172,6 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
-
-    def _shard_sizes(self, ours: str, total: int) -> list[int]:
-        cfg = self.config
-        if ours == "qkv_proj":
-            kv = cfg.num_key_value_heads * cfg.head_dim
-            return [total - 2 * kv, kv, kv]
-        return [total // 2, total // 2]
 
     @torch.no_grad()
     def init_dummy_weights(self, seed: int = 0) -> None:

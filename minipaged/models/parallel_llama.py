@@ -24,7 +24,7 @@ import torch
 
 from minipaged.distributed.parallel_state import TPGroup
 from minipaged.models.config import ModelConfig
-from minipaged.models.llama import LlamaForCausalLM
+from minipaged.models.llama import LlamaForCausalLM, stacked_sizes
 from minipaged.models.parallel_layers import (ColumnParallelLinear, ParallelLMHead,
                                               RowParallelLinear, VocabParallelEmbedding,
                                               read_shard, shard_config, shard_dim, shard_of)
@@ -63,8 +63,6 @@ class TensorParallelLlamaForCausalLM(LlamaForCausalLM):
         """The single-device dummy weights (same generator, same order), each cut to this
         rank's share; stacked q/k/v and gate/up are cut part by part."""
         gen = torch.Generator(device="cpu").manual_seed(seed)
-        full = LlamaForCausalLM.__new__(LlamaForCausalLM)  # for its _shard_sizes only
-        full.config = self.full_config
         rank, n = self.tp.rank, self.tp.world_size
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
@@ -78,7 +76,7 @@ class TensorParallelLlamaForCausalLM(LlamaForCausalLM):
                 shape[dim] *= n  # the full tensor's shape
             values = torch.randn(shape, generator=gen) * 0.02
             if stacked:  # [q | k | v] or [gate | up]: this rank's rows of each part
-                parts = values.split(full._shard_sizes(stacked, shape[0]), dim=0)
+                parts = values.split(stacked_sizes(self.full_config, stacked, shape[0]), dim=0)
                 values = torch.cat([shard_of(x, 0, rank, n) for x in parts], dim=0)
             else:
                 values = shard_of(values, dim, rank, n)

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from minipaged.utils import check_last_dim_contiguous, last_dim_contiguous
-from minipaged.worker.kv_cache import FP8_MAX, is_fp8
+from minipaged.worker.kv_dtype import FP8_MAX, is_fp8
 
 
 def _num_warps(elements: int) -> int:

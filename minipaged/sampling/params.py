@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
-from minipaged.structured_output.params import StructuredOutputsParams
+from minipaged.sampling.structured_outputs import StructuredOutputsParams
 from minipaged.validation import (INT32_MAX, SEED_MAX, SEED_MIN, check_bool, check_float,
                                   check_int, check_int_list)
 

@@ -3,6 +3,7 @@
 Reading order:
 
     config.py          `speculative_config` (vLLM's dict) checked, and what it cannot combine with
+    request_checks.py  the requests it refuses (beam search, n > 1)
     ngram_proposer.py  prompt lookup: the tokens that followed the sequence's last n tokens before
     draft_proposer.py  a smaller model with the target's vocabulary guesses k tokens greedily
     scheduler.py       a decode with proposals runs 1 + k tokens, slots reserved up front

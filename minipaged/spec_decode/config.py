@@ -8,7 +8,9 @@
 `--speculative-config JSON` are the same thing); `SpeculativeConfig.from_dict` turns it into the
 typed object the engine reads, refusing an unknown method or key, a k out of range, and the
 combinations that do not work yet. The draft model's vocabulary is compared with the target's
-in `check_draft_model`, once both configs are known (`EngineConfig.resolve`).
+in `check_draft_model`, once both configs are known (`EngineConfig.resolve`; the draft's is read
+by `draft_model_config` without building it). `EngineConfig` imports this module, so it imports
+no engine part; the per-request refusals are in request_checks.py.
 """
 from __future__ import annotations
 
@@ -78,6 +80,14 @@ class SpeculativeConfig:
                              "async_scheduling unset (auto turns it off) or set it False")
 
 
+def draft_model_config(model: str):
+    """The draft's `ModelConfig`, found the way the target's is (a folder, hub id, preset): its
+    config.json read through models/source.py, no model built."""
+    from minipaged.models.config import ModelConfig
+    from minipaged.models.source import resolve_model
+    return ModelConfig.from_dict(resolve_model(model).config)
+
+
 def check_draft_model(draft_config, target_config, max_model_len: int) -> None:
     """The draft must speak the target's vocabulary and reach max_model_len (ModelConfigs)."""
     if draft_config.vocab_size != target_config.vocab_size:
@@ -90,17 +100,3 @@ def check_draft_model(draft_config, target_config, max_model_len: int) -> None:
                          f"max_position_embeddings={draft_config.max_position_embeddings} is "
                          f"below max_model_len={max_model_len}; lower max_model_len to "
                          f"{draft_config.max_position_embeddings} or use another draft")
-
-
-def check_request(request_id: str, params) -> None:
-    """Requests speculation does not combine with yet: beam search and n > 1."""
-    from minipaged.groups.beam_search import BeamSearchParams
-    from minipaged.engine.processor import RequestError
-    if isinstance(params, BeamSearchParams):
-        raise RequestError(f"request {request_id!r}: beam search does not combine with "
-                           f"speculative decoding yet; use an engine without "
-                           f"speculative_config for beam search")
-    if params.n > 1:
-        raise RequestError(f"request {request_id!r}: n={params.n} does not combine with "
-                           f"speculative decoding yet; use n=1 (send the prompt n times), or an "
-                           f"engine without speculative_config")

@@ -28,15 +28,9 @@ import torch
 
 from minipaged.attention import AttentionMetadata
 from minipaged.config import format_bytes
-from minipaged.models.config import ModelConfig
 from minipaged.models.loader import load_model, resolve_model
 from minipaged.utils import to_device
 from minipaged.worker.kv_cache import allocate_kv_cache, block_bytes, copy_blocks
-
-
-def draft_model_config(model: str) -> ModelConfig:
-    """The draft's config, found the way the target's is (a folder, hub id, preset)."""
-    return ModelConfig.from_dict(resolve_model(model).config)
 
 
 class DraftModelProposer:

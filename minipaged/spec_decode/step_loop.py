@@ -38,7 +38,7 @@ from minipaged.engine.scheduler import SchedulerOutput
 from minipaged.engine.sequence import SequenceStatus
 from minipaged.engine.step_loop import StepLoop
 from minipaged.sampling import SamplerOutput
-from minipaged.spec_decode.config import check_request
+from minipaged.spec_decode.request_checks import check_request
 from minipaged.spec_decode.ngram_proposer import NgramProposer
 from minipaged.spec_decode.scheduler import SpecDecodeScheduler
 from minipaged.spec_decode.verify import can_speculate, num_proposals_allowed, verify

@@ -1,6 +1,8 @@
 """Structured outputs: output that matches a JSON schema, a regex, a choice or a grammar
-(lesson 12). `params.py` is the request's side, `manager.py` the engine's (masks per step)."""
-from minipaged.structured_output.params import StructuredOutputsParams
+(lesson 12). The request's side, `StructuredOutputsParams`, lives beside `SamplingParams` in
+sampling/structured_outputs.py (as in vLLM; `params.py` here re-exports it for one release);
+`manager.py` is the engine's (masks per step)."""
+from minipaged.sampling.structured_outputs import StructuredOutputsParams
 
 __all__ = ["StructuredOutputsParams", "StructuredOutputManager"]
 

@@ -114,12 +114,12 @@ def _worker(jobs: "queue.SimpleQueue[Optional[tuple]]") -> None:
 def _fill(mgr, job: FillJob) -> None:
     try:
         # (rows, ceil(vocab / 32)) int32: bit t % 32 of word t // 32 of row i = token t allowed
-        job.calls.fill(mgr._batch, mgr._bitmask, job.rows)
+        mgr.fill_rows(job.calls, job.rows)
     except Exception:  # find the row: one at a time
         rows, job.rows = job.rows, []
         for i, st in zip(rows, job.states):
             try:
-                st.matcher.fill_next_token_bitmask(mgr._bitmask, i)
+                mgr.fill_row(st.matcher, i)
                 job.rows.append(i)
             except Exception as exc:
                 job.errors.append((job.seqs[i], exc))

@@ -34,7 +34,7 @@ import weakref
 from typing import Callable, Optional
 
 from minipaged.engine.sequence import Sequence
-from minipaged.structured_output.params import StructuredOutputsParams
+from minipaged.sampling.structured_outputs import StructuredOutputsParams
 
 QUICK_S = 0.05  # how long add_request waits for a compile before leaving the request waiting
 IDLE_S = 0.005  # with nothing else to run, a step waits this long for a compile to finish

@@ -46,7 +46,7 @@ import torch
 
 from minipaged.engine.sequence import Sequence, SequenceStatus
 from minipaged.sampling.params import TokenMask
-from minipaged.structured_output.params import StructuredOutputsParams, grammar_of, library_error
+from minipaged.sampling.structured_outputs import StructuredOutputsParams, grammar_of, library_error
 
 
 class RequestGrammarError(ValueError):
@@ -183,6 +183,16 @@ class StructuredOutputManager:
         # (rows, ceil(vocab / 32)) int32: bit t of row i = token t allowed
         self._batch.batch_fill_next_token_bitmask(matchers, self._bitmask, indices=rows)
         return rows
+
+    def fill_rows(self, calls, rows: list[int]) -> None:
+        """Fill the host bitmask's `rows` with the next-token masks of `calls`' matchers
+        (batch_calls.BatchCalls, one per row) on the batched filler's threads: background.py's
+        worker runs this after `prepare_buffers`."""
+        calls.fill(self._batch, self._bitmask, rows)
+
+    def fill_row(self, matcher, row: int) -> None:
+        """One matcher's next-token mask into the host bitmask's `row` (to find a failing row)."""
+        matcher.fill_next_token_bitmask(self._bitmask, row)
 
     def prepare_buffers(self, num_rows: int, pin: bool) -> None:
         """Host bitmask and row-index buffers for `num_rows` rows (pinned for a GPU), and the

@@ -21,7 +21,8 @@ pass at `max_num_batched_tokens`, else on CPU enough for `max_num_seqs` full-len
 capped at 4 GiB.
 
 With `preemption_mode="swap"` a second tensor in CPU memory holds the blocks of swapped-out
-sequences (lesson 06): `worker/swap.py`.
+sequences (lesson 06): `worker/swap.py`. What the cache stores (kv_cache_dtype, float8's
+rules) is `worker/kv_dtype.py`.
 """
 from __future__ import annotations
 
@@ -32,35 +33,12 @@ import torch
 from minipaged.config import GiB, EngineConfig, kv_cache_too_small_error
 from minipaged.models.config import ModelConfig
 from minipaged.utils import cdiv, to_device
+# the dtype helpers live in a leaf module (the attention backends read them); their old home
+# re-exports them
+from minipaged.worker.kv_dtype import (FP8_MAX, is_fp8, kv_cache_torch_dtype,  # noqa: F401
+                                       raw, to_cache_dtype)
 
 CPU_DEFAULT_CAP = 4 * GiB
-
-
-FP8_MAX = 448.0  # the largest float8 e4m3 value
-
-
-def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """`EngineConfig.kv_cache_dtype` as a torch dtype ("auto": the model's)."""
-    return model_dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
-
-
-def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype == torch.float8_e4m3fn
-
-
-def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """New K/V in the cache's dtype; float8 clamps first (an out-of-range value would be NaN)."""
-    if x.dtype == cache_dtype:
-        return x
-    if is_fp8(cache_dtype):
-        x = x.clamp(-FP8_MAX, FP8_MAX)
-    return x.to(cache_dtype)
-
-
-def raw(t: torch.Tensor) -> torch.Tensor:
-    """The same memory as bytes when the dtype is float8, whose indexing ops torch lacks; block
-    copies and slot writes move bytes, so they go through this view."""
-    return t.view(torch.uint8) if is_fp8(t.dtype) else t
 
 
 def block_bytes(model_cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -13,7 +13,7 @@ import torch
 
 from minipaged.config import GiB, EngineConfig
 from minipaged.utils import to_device
-from minipaged.worker.kv_cache import raw
+from minipaged.worker.kv_dtype import raw
 
 def determine_num_cpu_blocks(cfg: EngineConfig, per_block_bytes: int, num_gpu_blocks: int) -> int:
     """CPU pool size for `preemption_mode="swap"`: `num_cpu_blocks`, else `swap_space` GiB,

@@ -11,26 +11,21 @@ num_blocks, its 1/N of the KV heads) and its shard of the swap pool, and then wa
 driver says STOP. It never sees a sequence, the scheduler or the block manager.
 
 The runner inside either is the single-device one (`ModelRunner`, or `GPUModelRunner` with its
-CUDA graphs, which every rank captures in the same order), built by `make_model_runner` with
-tensor_parallel_size=1.
+CUDA graphs, which every rank captures in the same order), built by `single_device_runner`
+(runners.py).
 """
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 
 from minipaged.distributed.parallel_state import TPGroup, shutdown_barrier
 from minipaged.distributed.step_inputs import (STEP, STOP, StepInputs, broadcast_sizes,
                                                broadcast_step, recv_header, recv_step)
-from minipaged.worker.kv_cache import copy_blocks, raw
+from minipaged.worker.kv_cache import copy_blocks
+from minipaged.worker.kv_dtype import raw
+from minipaged.worker.runners import single_device_runner
 from minipaged.worker.swap import (allocate_cpu_cache, determine_num_cpu_blocks, swap_in_blocks,
                                    swap_out_blocks)
-
-
-def single_device_runner(config, model, kv_cache, backend):
-    from minipaged.worker import make_model_runner
-    return make_model_runner(replace(config, tensor_parallel_size=1), model, kv_cache, backend)
 
 
 def make_driver_runner(config, model, kv_cache, backend) -> "TPDriverRunner":
@@ -88,7 +83,8 @@ def run_worker(config, source, tp: TPGroup) -> None:
     from minipaged.attention import get_attention_backend
     from minipaged.models.config import parse_dtype
     from minipaged.models.loader import load_model
-    from minipaged.worker.kv_cache import allocate_kv_cache, kv_cache_torch_dtype
+    from minipaged.worker.kv_cache import allocate_kv_cache
+    from minipaged.worker.kv_dtype import kv_cache_torch_dtype
 
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if config.is_cuda else "cpu")
     dtype = parse_dtype(config.dtype)

@@ -2,6 +2,8 @@
 
     fp8.py    float8 e4m3 weights with per-output-channel scales, activations quantized per
               token at run time; `torch._scaled_mm` on CUDA, a dequantizing torch path elsewhere
+    fp8_triton.py  the activations' per-token quantization as one Triton kernel (CUDA)
+    fp8_format.py  e4m3's dtype, largest value and scale floor, which both read
 
 A model is built and loaded in its float dtype as always; `quantize_model` then replaces the
 linear layers of every decoder layer with their quantized variant (vLLM's

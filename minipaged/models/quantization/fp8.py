@@ -47,11 +47,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-logger = logging.getLogger("minipaged.quantization")
+from minipaged.models.quantization.fp8_format import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # e4m3fn's largest finite value
-AMAX_FLOOR = 1e-12  # an all-zero row gets this instead of 0 (scale 0 would divide by zero)
+logger = logging.getLogger("minipaged.quantization")
 
 
 def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minipaged.models.quantization.fp8 import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
+from minipaged.models.quantization.fp8_format import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 
 
 @triton.jit
