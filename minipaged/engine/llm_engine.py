@@ -1,35 +1,24 @@
 """`LLMEngine`: add requests, step, collect outputs. The loop every front end drives.
 
-One `step()` is the whole life cycle of lesson 03:
+One `step()` is the whole life cycle of lesson 03, in public phases (lesson 02b calls them one
+by one; the step loop of engine/step_loop.py calls them in order):
 
-    scheduler.schedule()        which sequences run, how many tokens each, who is preempted
-    model_runner.execute(...)   flatten, forward, last-token logits
-    sampler(...)                one next token per sequence that reached its last token
-    _process(...)               append tokens, check stop conditions (output.py), free finished
-                                sequences' blocks
-    trace.append(StepRecord)    what happened, for the lessons' plots
-
-Requests with several sequences (lesson 06) add two things around the sampler (groups.py): a
-group's prompt is forked into its `n` samples when it samples its first token, and a beam search
-steps once every live beam has its logits. Swap preemption copies blocks to and from the CPU
-pool before the forward. None of it costs anything while no such request is in flight.
+    schedule()            which sequences run, how many tokens each, who is preempted
+    execute_model(sched)  flatten, forward, last-token logits (worker/model_runner.py)
+    update_computed()     the step's K/V are in the cache
+    sample_and_process()  one next token per sequence that reached its last token; append it,
+                          check stop conditions (output.py), free finished sequences' blocks
+    finish_step()         a StepRecord for the lessons' plots; the step's outputs
 
 A request is checked before it is queued (processor.py), and a request that raises while it is
-stepped (sampling, detokenizing, a stop check, its beam step) fails alone: `fail_request` ends it with
-finish_reason "error" and frees its blocks, and the step goes on for the others (failures.py).
+stepped fails alone: `fail_request` ends it with finish_reason "error" and frees its blocks, and
+the step goes on for the others (failures.py).
 
-How a step runs is chosen once, when the engine is built: a *step loop* (engine/step_loop.py)
-owns `step()` and `has_unfinished_requests()` and calls the engine's public phases in order:
-
-    schedule()  ->  execute_model()  ->  update_computed()  ->  sample_and_process()  ->  finish_step()
-
-The synchronous loop (`SyncStepLoop`) is the one above. Async scheduling (async_sched/) plans
-step t+1 while the GPU runs step t, and speculative decoding (spec_decode/) verifies proposals;
-both are loops built from the same phases. The GPU's fast paths are chosen once too
-(`EngineConfig.resolve`): the worker (`worker/`) picks its input builder and CUDA graphs, the
-model its fused layers. With `enable_lora` the linear layers get adapter slots when the engine
-is built and the runner maps each step's tokens to them (minipaged/lora/). `LLM` (llm.py) loops
-`step()` for offline batches; the server loops it in the background.
+Everything a later lesson adds is attached once, when the engine is built (engine/build.py),
+through a named seam, and costs nothing while it is off: another step loop (step_loop.py),
+request extensions called once per batch (extensions.py), the scheduler's and block manager's
+policies, runner wrappers. `LLM` (llm.py) loops `step()` for offline batches; the server loops
+it in the background.
 """
 from __future__ import annotations
 
@@ -48,7 +37,8 @@ from minipaged.engine.build import (build_extensions, build_kv_block_manager, bu
 from minipaged.engine.output import OutputProcessor, RequestOutput
 from minipaged.engine.processor import RequestError
 from minipaged.engine.scheduler import Scheduler, SchedulerOutput
-from minipaged.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from minipaged.engine.sequence import Sequence, SequenceStatus
+from minipaged.groups.group import SequenceGroup
 from minipaged.engine.step_loop import StepLoop, SyncStepLoop
 from minipaged.engine.trace import StepRecord, StepTimes, step_record
 from minipaged.groups.beam_search import BeamSearchParams
