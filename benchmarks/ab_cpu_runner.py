@@ -47,5 +47,5 @@ def use(side: str) -> None:
 
 doc = {"old": "ModelRunner", "new": f"CPUModelRunner ({a.parts})",
        **interleaved_ab.run(llm, use, a.repeats)}
-interleaved_ab.report(doc, a.json, shown=("new", "seconds", "median_old_over_new",
+interleaved_ab.report(doc, a.json, shown=("new", "warmup", "seconds", "median_old_over_new",
                                           "load_average_start", "load_average_end"))

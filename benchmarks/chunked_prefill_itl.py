@@ -8,7 +8,10 @@ requests decode 200 tokens each, greedy, EOS ignored; once they all decode, a 44
 arrives every 20 steps (8 of them). One engine with `enable_chunked_prefill=True,
 max_num_batched_tokens=64`, one with chunked prefill off (its budget must hold a whole prompt:
 `max_model_len` = 512), both in this run, interleaved 5 times; each way keeps its run with the
-lowest ITL p99. Times are CPU time per step (`time.process_time`), robust to a busy machine.
+lowest ITL p99. Each engine is warmed up first, untimed, with every kind of step the timed runs
+make (the 8 decodes for 8 tokens and one long prompt arriving); the JSON keeps what each warm-up
+ran ("warmup" in each run) and it is printed. Times are CPU time per step
+(`time.process_time`), robust to a busy machine.
 Prints ITL p50/p99 of the running decodes and the long prompts' time to first token, and writes
 benchmarks/results/chunked_prefill_itl_cpu_stories260k.json.
 """
@@ -34,7 +37,7 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    from minipaged.lessons.bench import environment
+    from minipaged.lessons.bench import Warmup, environment
     from minipaged.lessons.chunked_prefill import measure_decode_itl
 
     res = measure_decode_itl(a.model, num_decodes=8, decode_tokens=200, num_long=8,
@@ -48,6 +51,8 @@ def main() -> None:
     for name, r in res["runs"].items():
         print(f"{name:<22} {r['max_num_batched_tokens']:>6} {r['itl_p50_ms']:>8.2f} "
               f"{r['itl_p99_ms']:>8.2f} {r['itl_max_ms']:>8.2f} {r['long_prompt_ttft_ms']:>10.2f}")
+    for name, r in res["runs"].items():
+        print(f"{name}: after a {Warmup(**r['warmup'])}")
     print(f"off / on: ITL p99 {res['p99_off_over_on']:.2f}x, p50 {res['p50_off_over_on']:.2f}x; "
           f"long-prompt TTFT on / off {res['ttft_on_over_off']:.2f}x")
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")

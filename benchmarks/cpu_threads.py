@@ -11,7 +11,9 @@ an HF folder in a temporary directory) and runs two workloads through `LLM.gener
 * `single`  one request, a 16-token prompt, 64 output tokens (the README's first snippet)
 
 at 1 thread and at torch's default thread count (one per physical core), alternating within one
-process (`--repeats` rounds, the median ratio is reported), first on the machine as it is
+process (`--repeats` rounds, the median ratio is reported; round 0 runs every workload at every
+thread count untimed first, as a warm-up: each row's "warmup" gives its requests, tokens and
+seconds), first on the machine as it is
 ("idle": it waits until the cores are 95% idle), then with a burner process
 (`while True: pass`) pinned to the last core ("busy"). Only ratios within one process are read;
 `other_cores_busy` says how many cores other processes (the burner too) kept busy meanwhile.
@@ -51,11 +53,14 @@ def workloads():
 
 
 def measure(folder: str, thread_counts: list[int], repeats: int) -> dict:
-    """{workload: {threads: [tok/s per round]}}, the thread counts alternating round by round."""
+    """{"rates": {workload: {threads: [tok/s per round]}}, "warmup": round 0's requests, tokens
+    and seconds}, the thread counts alternating round by round."""
     from minipaged import LLM, SamplingParams
     torch.set_num_threads(thread_counts[0])
     llm = LLM(folder, cpu_threads=thread_counts[0], max_model_len=512)
     out = {}
+    warm = {"what": "round 0: every workload at every thread count, untimed", "requests": 0,
+            "prompt_tokens": 0, "output_tokens": 0, "seconds": 0.0}
     for name, (prompts, max_tokens) in workloads().items():
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         rates = {n: [] for n in thread_counts}
@@ -66,10 +71,16 @@ def measure(folder: str, thread_counts: list[int], repeats: int) -> dict:
                 t0 = time.perf_counter()
                 outs = llm.generate(salted, params, use_tqdm=False)
                 elapsed = time.perf_counter() - t0
+                tokens = sum(len(o.outputs[0].token_ids) for o in outs)
                 if r:
-                    rates[n].append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
+                    rates[n].append(tokens / elapsed)
+                else:
+                    warm["requests"] += len(salted)
+                    warm["prompt_tokens"] += sum(map(len, salted))
+                    warm["output_tokens"] += tokens
+                    warm["seconds"] = round(warm["seconds"] + elapsed, 3)
         out[name] = rates
-    return out
+    return {"rates": out, "warmup": warm}
 
 
 def busy_seconds() -> float:
@@ -141,7 +152,8 @@ def main() -> None:
                                           "--repeats", str(a.repeats)], check=True,
                                          capture_output=True, text=True,
                                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-                    rates = json.loads(res.stdout.strip().splitlines()[-1])
+                    measured = json.loads(res.stdout.strip().splitlines()[-1])
+                    rates = measured["rates"]
                     # cores other processes kept busy while it ran (the burner among them)
                     others = ((busy_seconds() - busy0) - (_children_cpu() - ours0)) / (
                         time.time() - t0)
@@ -152,7 +164,7 @@ def main() -> None:
                 rates = {w: {int(k): v for k, v in r.items()} for w, r in rates.items()}
                 row = {"hidden_size": hidden, "load": load,
                        "other_cores_busy": round(others, 2),
-                       **summarize(rates, many)}
+                       **summarize(rates, many), "warmup": measured["warmup"]}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     from minipaged.lessons.bench import environment

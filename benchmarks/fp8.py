@@ -17,11 +17,15 @@ each running
                inter-token latency, where a decode step reads every weight once, so fp8's
                halved linear-layer bytes show most
 
-The table prints both sides and fp8 / bf16 ratios; the weight bytes a decode step reads (the
-parameters' real bytes: fp8 weights are one byte plus a 4-byte scale per row; embeddings, norms
-and the tied LM head stay bf16) and what the one-stream ITL makes of them in GB/s. Dummy
-weights throughout (random, fixed seed): the speed is the real architecture's, the text is
-noise. JSON: benchmarks/results/fp8_h200.json ($OUT/fp8_h200.json when $OUT is set; --out).
+Both measurements warm their engine up first with their own requests' shapes, untimed
+(`lessons.bench.run_minipaged`: the same prompt lengths and max_tokens, token ids reversed);
+each row keeps what the warm-ups ran ("warmup") and its first timed step against its median step
+("step_ms"). The table prints both sides and fp8 / bf16 ratios; the weight bytes a decode step
+reads (the parameters' real bytes: fp8 weights are one byte plus a 4-byte scale per row;
+embeddings, norms and the tied LM head stay bf16) and what the one-stream ITL makes of them in
+GB/s. Dummy weights throughout (random, fixed seed): the speed is the real architecture's, the
+text is noise. JSON: benchmarks/results/fp8_h200.json ($OUT/fp8_h200.json when $OUT is set;
+--out).
 """
 from __future__ import annotations
 
@@ -55,7 +59,8 @@ def one_stream(llm, vocab: int, prompt_len: int, output_len: int) -> dict:
     wl = bench.Workload("one-stream", [prompt], [output_len])
     r = bench.run_minipaged(llm, wl, temperature=0.0)
     return {"itl_ms": r.extra["itl_ms"]["p50"], "ttft_ms": r.extra["ttft_ms"]["p50"],
-            "output_tokens": r.output_tokens}
+            "output_tokens": r.output_tokens, "warmup": r.extra["warmup"],
+            "step_ms": r.extra["step_ms"]}
 
 
 def run_side(model: str, quantization, args) -> dict:
@@ -77,7 +82,7 @@ def run_side(model: str, quantization, args) -> dict:
            "elapsed_s": thr.elapsed_sec, "tokens_per_sec": thr.tokens_per_sec,
            "ttft_ms": thr.extra["ttft_ms"], "itl_ms": thr.extra["itl_ms"],
            "preemptions": thr.extra["preemptions"], "weight_bytes": wbytes,
-           "one_stream": stream}
+           "warmup": thr.extra["warmup"], "step_ms": thr.extra["step_ms"], "one_stream": stream}
     if stream["itl_ms"]:
         row["one_stream"]["weights_gb_per_s"] = round(wbytes / (stream["itl_ms"] / 1e3) / 1e9, 1)
     del llm
@@ -144,7 +149,9 @@ def main(argv=None) -> int:
             rows.append(run_side(model, quantization, args))
             print(f"{model} {quantization or args.dtype}: "
                   f"{rows[-1]['tokens_per_sec']:,.0f} tok/s, "
-                  f"one-stream ITL {rows[-1]['one_stream']['itl_ms']} ms", flush=True)
+                  f"one-stream ITL {rows[-1]['one_stream']['itl_ms']} ms; throughput after a "
+                  f"{bench.Warmup(**rows[-1]['warmup'])}, one stream after a "
+                  f"{bench.Warmup(**rows[-1]['one_stream']['warmup'])}", flush=True)
             report = {"environment": bench.environment(), "command": "python benchmarks/fp8.py "
                       + " ".join(argv if argv is not None else sys.argv[1:]),
                       "settings": {k: v for k, v in vars(args).items()}, "rows": rows}

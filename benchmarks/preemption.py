@@ -14,6 +14,10 @@ cache_tokens / block_size, the same memory at every block size):
                     so a readmitted victim finds part of its own KV still there
   swap              the victim's blocks are copied to a CPU pool and back (pinned on CUDA)
 
+Every run is a fresh engine, warmed up first with the workload's shapes under the same pressure
+(untimed: the same prompt lengths and max_tokens, token ids reversed; `lessons.bench.warm_up`),
+so that --repeats 1 times a warm engine; each row keeps its warm-up ("warmup") and its first
+timed step against its median step ("step_ms").
 It prints end-to-end time (best of --repeats; wall and process CPU time, the machine is shared),
 steps, preemptions, tokens recomputed and bytes swapped, checks that every mode produced the
 same greedy tokens, and with --micro times the copy itself: `worker/swap.py`'s `swap_out_blocks` (one
@@ -29,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from minipaged.lessons.bench import Warmup  # noqa: E402
 from minipaged.lessons.preemption import (PREEMPTION_MODES, format_preemption,  # noqa: E402
                                           format_swap_copies, plot_preemption,
                                           preemption_experiment, preemption_workload,
@@ -68,8 +73,8 @@ def main(argv=None):
             same = sum(a == b for a, b in zip(r.outputs, ref))
             print(f"block {bs:3d} {mode:17s} {r.wall_s:7.2f} s  preemptions {r.preemptions:4d}  "
                   f"recomputed {r.recomputed_tokens:6d}  swapped {r.swapped_bytes / 1e6:8.1f} MB"
-                  f"  same greedy tokens as '{args.modes.split(',')[0]}': {same}/{len(ref)}",
-                  flush=True)
+                  f"  same greedy tokens as '{args.modes.split(',')[0]}': {same}/{len(ref)}"
+                  f"\n          after a {Warmup(**r.warmup)}", flush=True)
             # fp32 on CPU: always all of them. bf16 on a GPU: a prefill and a decode may round
             # differently, and random (dummy) weights have near-ties, so a few may diverge.
             r.same_as_first = same
@@ -89,8 +94,13 @@ def main(argv=None):
     tag = f"{args.device}_{args.model.replace(':', '_').replace('/', '_').lower()}"
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"preemption_{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    warmup = {"what": "every engine (each run of each mode and block size) ran the workload "
+                      "once untimed first: the same prompt lengths and max_tokens, token ids "
+                      "reversed; each row holds its fastest run's warm-up",
+              "seconds": round(sum(r.warmup["seconds"] for r in runs), 2)}
     out.write_text(json.dumps({"args": vars(args), "environment": environment(),
-                               "runs": [r.row() for r in runs], "micro": micro}, indent=1))
+                               "warmup": warmup, "runs": [r.row() for r in runs],
+                               "micro": micro}, indent=1))
     print(f"\nwrote {out}")
     fig = Path(args.figure) if args.figure else (ROOT / "figures" / "preemption_cpu.png"
                                                 if args.device == "cpu"

@@ -3,17 +3,17 @@
     python benchmarks/profile_step.py --model dummy:qwen3-0.6b --num-requests 256
 
 Runs the nano-vllm workload under cProfile and prints the functions with the most own time,
-plus the share of wall time spent waiting for the GPU (the sampler's host sync).
+plus the share of wall time spent waiting for the GPU (the sampler's host sync). The workload's
+shapes run once first, untimed and unprofiled (`lessons.bench.warm_up`, printed), so Triton
+compiles and first allocations stay out of the profile.
 """
 import argparse
 import cProfile
 import pstats
 import time
 
-import torch
-
 from minipaged import LLM, SamplingParams
-from minipaged.lessons.bench import make_workload
+from minipaged.lessons.bench import make_workload, warm_up
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default="dummy:qwen3-0.6b")
@@ -25,8 +25,7 @@ llm = LLM(a.model, max_num_seqs=256, max_num_batched_tokens=a.max_num_batched_to
           enforce_eager=a.enforce_eager)
 wl = make_workload("nanovllm", llm.engine.model_config.vocab_size, a.num_requests)
 sp = [SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True) for m in wl.max_tokens]
-llm.generate(wl.prompts[:2], sp[:2], use_tqdm=False)
-torch.cuda.synchronize()
+print(warm_up(llm, wl.prompts, sp), flush=True)
 prof = cProfile.Profile()
 t0 = time.perf_counter()
 prof.enable()

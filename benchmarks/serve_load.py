@@ -65,6 +65,15 @@ gap, whose p99 also catches single slow steps that a per-request mean smooths ou
 given both ways: per-gap p99 / offline p99 (the bar as stated), and per-request p99 / offline p99
 (the same statistic on both sides).
 
+Before the first level, the server is warmed up with each level's shapes, untimed: for every
+concurrency C (largest first), the workload's first C requests (`--warmup N`: N) at concurrency
+C with their full max_tokens, so that the first level timed, and a concurrency-1 level after a
+large one, meets no kernel variant (on a GPU: a Triton compile per variant, chosen by query and
+context length in the steps that run eagerly) or buffer for the first time. What each warm-up
+sent (requests, tokens, seconds) is printed and written to the JSON ("warmup"). The offline
+engine runs the workload's shapes once, untimed, before its first batch (`run_minipaged`;
+"warmup" in the offline batch's JSON).
+
 Prefix caching would let a level reuse the KV blocks of the same prompts sent by an earlier level
 (or by the warm-up), which the offline run never can. So every run (each offline batch, the offline
 lone requests, the warm-up, each level and repeat) changes one token near the start of each prompt by its own salt
@@ -477,6 +486,28 @@ async def run_level(url: str, headers: dict, model: str, prompts, max_tokens, co
         server_cpu_percent=cpu_percent(server_cpu0, server_cpu1, t1 - t0))
 
 
+def warm_up_levels(a: argparse.Namespace, url: str, headers: dict, model: str, wl, vocab: int,
+                   levels_c: list[int], salt: int, server_pid: Optional[int]) -> list[dict]:
+    """Each concurrency level's shapes once, untimed (largest first; see the docstring); one
+    dict per warm-up: concurrency, requests, tokens, seconds."""
+    done = []
+    for i, c in enumerate(sorted(set(levels_c), reverse=True)):
+        n = min(len(wl.prompts), c if a.warmup is None else a.warmup)
+        if n < 1:
+            continue
+        r = asyncio.run(run_level(url, headers, model, salted(wl.prompts[:n], salt + i, vocab),
+                                  wl.max_tokens[:n], min(c, n),
+                                  a.clients or default_clients(min(c, n)), a.temperature,
+                                  server_pid))
+        done.append({"concurrency": min(c, n), "requests": n,
+                     "prompt_tokens": sum(map(len, wl.prompts[:n])),
+                     "output_tokens": r.output_tokens, "seconds": r.elapsed_sec,
+                     "errors": r.errors})
+        print(f"  warm-up (untimed) at concurrency {min(c, n)}: {n} requests, "
+              f"{r.output_tokens:,} output tokens, {r.elapsed_sec:.2f} s", flush=True)
+    return done
+
+
 # --- the offline reference -------------------------------------------------------------------
 def engine_flags(model: str, server_args: list[str]) -> tuple[dict, list[str]]:
     """`LLM(**kwargs)` for the engine flags among `server_args` (minipaged's own declaration,
@@ -513,7 +544,7 @@ def offline_reference(model: str, server_args: list[str], workload: dict, vocab:
     if torch_threads:
         torch.set_num_threads(torch_threads)
     from minipaged import LLM, SamplingParams
-    from minipaged.lessons.bench import Workload, run_minipaged
+    from minipaged.lessons.bench import Warmup, Workload, run_minipaged
 
     kwargs, ignored = engine_flags(model, server_args)
     llm = LLM(**kwargs)
@@ -524,9 +555,12 @@ def offline_reference(model: str, server_args: list[str], workload: dict, vocab:
               flush=True)
         salt = 0 if r == 0 else 1 + r
         runs.append(asdict(run_minipaged(llm, Workload(wl.name, salted(wl.prompts, salt, vocab),
-                                                       wl.max_tokens), temperature)))
+                                                       wl.max_tokens), temperature,
+                                         warmup=r == 0)))  # warmed once, before the first
+    print(f"offline: the first run after a {Warmup(**runs[0]['extra']['warmup'])}", flush=True)
     batch = median_run(runs, "tokens_per_sec")
     extra = batch.pop("extra")
+    extra["warmup"] = runs[0]["extra"]["warmup"]
     n = len(wl.prompts) if single_requests <= 0 else min(single_requests, len(wl.prompts))
     print(f"offline: {n} requests one at a time ...", flush=True)
     ttft, itl = [], []
@@ -706,9 +740,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=None,
-                    help="requests (of at most 16 tokens) sent at once before measuring, so "
-                         "first-use costs (Triton JIT, CUDA graphs, allocator) stay out of the "
-                         "numbers; default: the largest concurrency level")
+                    help="requests sent untimed before measuring, at each concurrency level "
+                         "(with their full max_tokens), so first-use costs (Triton JIT, CUDA "
+                         "graphs, allocator) stay out of the numbers; default: the level's "
+                         "concurrency; 0: no warm-up")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args(argv)
     if a.clients is not None and a.clients < 1:
@@ -725,7 +760,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             print("offline: not engine flags (server only), ignored:",
                   " ".join(offline["server_args_not_for_the_engine"]), flush=True)
         print(offline_table(offline), flush=True)
-    salt = random.SystemRandom().randrange(2, 1 << 20)  # the warm-up's; level j uses salt + 1 + j
+    # level j uses salt + 1 + j; the warm-ups salt + 1 + (number of levels) + i
+    salt = random.SystemRandom().randrange(2, 1 << 20)
     proc = None
     if a.base_url:
         url = a.base_url.rstrip("/").removesuffix("/v1")
@@ -748,13 +784,9 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{len(wl.prompts)} requests, {wl.num_prompt_tokens} prompt tokens, "
               f"{sum(wl.max_tokens)} output tokens per level; {platform.machine()}, "
               f"{os.cpu_count()} CPUs", flush=True)
-        warmup = min(len(wl.prompts), max(levels_c) if a.warmup is None else a.warmup)
-        if warmup:
-            asyncio.run(run_level(url, headers, name, salted(wl.prompts[:warmup], salt, vocab),
-                                  [min(m, 16) for m in wl.max_tokens[:warmup]], warmup,
-                                  a.clients or default_clients(warmup), a.temperature,
-                                  server_pid))
         runs = [(c, i) for c in levels_c for i in range(a.repeats)]
+        warmups = warm_up_levels(a, url, headers, name, wl, vocab, levels_c,
+                                 salt + 1 + len(runs), server_pid)
         for j, (c, i) in enumerate(runs):
             n = len(wl.prompts)
             if c == 1 and a.single_requests > 0:
@@ -795,6 +827,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             "model": a.model, "workload": a.workload, "server_args": a.server_args,
             "clients": a.clients, "single_requests": a.single_requests, "repeats": a.repeats,
             "torch_threads": a.torch_threads, "prompt_salt_base": salt,
+            "warmup": {"what": "before the first level, untimed: each concurrency level's first "
+                               "requests (as many as the level's concurrency, or --warmup) at "
+                               "that concurrency, full max_tokens, prompts salted",
+                       "levels": warmups},
             "machine": platform.platform(), "offline": offline, "bars": verdicts,
             "levels": [asdict(r) for r in levels]}, indent=1))
         print(f"\nwrote {a.out}")

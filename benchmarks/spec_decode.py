@@ -6,7 +6,12 @@
 CPU (default): stories260K, greedy story openings (lessons/spec_decode_measure.story_prompts),
 EOS ignored, 256 tokens each, at batch 1, 8 and 64, with speculation off and with n-gram prompt
 lookup at k = 2 and 4 (prompt_lookup_max 4, min 1). The settings of one batch size run in turns
-(best of --repeats), so machine load falls on every side alike. Each row: tokens/s and its ratio
+(best of --repeats), so machine load falls on every side alike. Before its first timed run every
+engine (each setting, each batch size, each side of the --h200 runs) runs the same requests'
+shapes once untimed (lessons.bench.warm_up: the same batch, prompt lengths and max_tokens, token
+ids reversed), so --repeats 1 times warm engines as --repeats 3 does; each setting's warm-up
+(requests, tokens, steps, seconds) is printed and written to its row ("warmup"), beside its
+first timed step against its median step ("step_ms"). Each row: tokens/s and its ratio
 to off, the median inter-token latency, target forwards, time per forward, tokens per forward
 and the share of guesses kept. Writes benchmarks/results/spec_decode_cpu_stories260k.json.
 
@@ -57,6 +62,25 @@ def with_ratios(runs: list[sdm.SpecRun]) -> list[dict]:
     return [dict(run_to_dict(r), vs_off=round(r.tokens_per_sec / base[r.batch], 3)) for r in runs]
 
 
+def warmup_lines(rows) -> str:
+    """One line per setting: what its engine ran untimed before it was timed."""
+    from minipaged.lessons.bench import Warmup
+    return "\n".join(f"       {r.setting:12s} {Warmup(**r.warmup)}" for r in rows if r.warmup)
+
+
+def warmup_summary(result: dict) -> dict:
+    """The warm-ups of every engine of the run, added up (each row holds its own)."""
+    rows = [r for key in ("stories260k",) for r in result[key]]
+    rows += result.get("qwen3_0.6b_one_stream_draft", {}).get("runs", [])
+    rows += result.get("qwen3_0.6b_nanovllm", [])
+    warm = [r["warmup"] for r in rows if r.get("warmup")]
+    return {"what": "before its first timed run, each engine ran its setting's requests once "
+                    "untimed: the same batch, prompt lengths and max_tokens, token ids reversed",
+            "engines": len(warm), "requests": sum(w["requests"] for w in warm),
+            "output_tokens": sum(w["output_tokens"] for w in warm),
+            "seconds": round(sum(w["seconds"] for w in warm), 2)}
+
+
 def release() -> None:
     """Give the engines of the last comparison back (they are unreachable once it returns)."""
     gc.collect()
@@ -73,6 +97,7 @@ def stories(device: str, batches, ks, max_tokens: int, repeats: int) -> list[sdm
         runs += sdm.compare("stories260K", batch, ks=ks, max_tokens=max_tokens, repeats=repeats,
                             device=device, num_blocks=4096)
         print(sdm.format_runs([r for r in runs if r.batch == batch]), flush=True)
+        print(warmup_lines([r for r in runs if r.batch == batch]), flush=True)
         release()
     return runs
 
@@ -95,7 +120,7 @@ def draft_one_stream(device: str, max_tokens: int, k: int, repeats: int) -> list
 def full_batch(device: str, k: int, num_requests: int) -> list[dict]:
     """The nano-vllm workload with speculation off and with n-gram k, one engine at a time."""
     from minipaged import LLM
-    from minipaged.lessons.bench import make_workload, run_minipaged
+    from minipaged.lessons.bench import Warmup, make_workload, run_minipaged
     out = []
     for setting, spec in (("off", None), (f"ngram k={k}", sdm.ngram_config(k))):
         # As nanovllm_h200.sh runs it, but both sides get the same KV cache (56 GiB: every
@@ -108,20 +133,18 @@ def full_batch(device: str, k: int, num_requests: int) -> list[dict]:
                   max_num_batched_tokens=8192, speculative_config=spec, **size)
         wl = make_workload("nanovllm", llm.engine.model_config.vocab_size,
                            num_requests=num_requests)
-        first = len(llm.engine.trace)
-        res = run_minipaged(llm, wl, temperature=0.6)
-        # Guesses counted over the trace of the run and of its warm-up (32 requests x 8 tokens
-        # beside 256 x hundreds: under 0.3% of the guesses).
-        trace = llm.engine.trace[first:]
+        res = run_minipaged(llm, wl, temperature=0.6)  # warmed up first, with these shapes
+        trace = llm.engine.trace[-res.extra["step_ms"]["steps"]:]  # the timed run's steps
         drafts = sum(r.num_draft_tokens_per_pos[0] for r in trace if r.num_draft_tokens_per_pos)
         proposed = sum(sum(r.num_draft_tokens_per_pos) for r in trace)
         accepted = sum(sum(r.num_accepted_tokens_per_pos) for r in trace)
-        row = dict(setting=setting, **dataclasses.asdict(res), verify_rows=drafts,
-                   proposed=proposed, accepted=accepted,
+        row = dict(setting=setting, warmup=res.extra.pop("warmup"), **dataclasses.asdict(res),
+                   verify_rows=drafts, proposed=proposed, accepted=accepted,
                    acceptance_rate=round(accepted / proposed, 4) if proposed else 0.0)
         out.append(row)
         print(f"batch {res.concurrency:4d} {setting:12s} {res.tokens_per_sec:10,.0f} tok/s"
-              + (f"  kept {accepted:,} of {proposed:,} guesses" if proposed else ""), flush=True)
+              + (f"  kept {accepted:,} of {proposed:,} guesses" if proposed else "")
+              + f"\n       after a {Warmup(**row['warmup'])}", flush=True)
         del llm
         release()
     out[1]["vs_off"] = round(out[1]["tokens_per_sec"] / out[0]["tokens_per_sec"], 4)
@@ -155,16 +178,19 @@ def main(argv=None) -> None:
     load_before = os.getloadavg()[0]  # other processes on the machine (the CPU is shared)
     result = {"command": " ".join(["python benchmarks/spec_decode.py", *(argv or sys.argv[1:])]),
               "device": device, "workload": f"stories260K, greedy story openings, "
-              f"{a.max_tokens} tokens each, EOS ignored; best of {a.repeats}, settings in turns",
+              f"{a.max_tokens} tokens each, EOS ignored; best of {a.repeats}, settings in turns, "
+              "each engine warmed up first (untimed, the same shapes)",
               "stories260k": with_ratios(stories(device, batches, ks, a.max_tokens, a.repeats))}
     if a.h200:
         draft = draft_one_stream(device, a.draft_max_tokens, 4, a.repeats)
         print(sdm.format_runs(draft), flush=True)
+        print(warmup_lines(draft), flush=True)
         result["qwen3_0.6b_one_stream_draft"] = {
             "note": "dummy weights for target and draft: the acceptance is that of random "
                     "models, the cost of the draft machinery is real",
             "target": "dummy:qwen3-0.6b", "draft": DRAFT_PRESET, "runs": with_ratios(draft)}
         result["qwen3_0.6b_nanovllm"] = full_batch(device, 4, a.num_requests)
+    result["warmup"] = warmup_summary(result)
     result["environment"] = dict(environment(), load_average_1min=[round(load_before, 2),
                                                                   round(os.getloadavg()[0], 2)])
     result["wall_sec"] = round(time.perf_counter() - t0, 1)
@@ -174,7 +200,9 @@ def main(argv=None) -> None:
     one = [r for r in result["stories260k"] if r["batch"] == min(batches)]
     best = max(one, key=lambda r: r["vs_off"])
     print(f"\nbatch {min(batches)}: best {best['setting']} {best['vs_off']:.2f}x off "
-          f"(goal on the H200: >= 1.8x); wrote {out} in {result['wall_sec']} s")
+          f"(goal on the H200: >= 1.8x); {result['warmup']['engines']} engines warmed up "
+          f"untimed first ({result['warmup']['seconds']} s); wrote {out} in "
+          f"{result['wall_sec']} s")
 
 
 if __name__ == "__main__":

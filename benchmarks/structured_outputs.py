@@ -6,11 +6,14 @@ The CPU workload (64 requests, prompts U[4, 64], outputs U[16, 256], seed 0, gre
 ignored) runs three ways on one engine, one after the other (prefix caching off, so each way
 prefills the same): no constraint; every row held to a JSON schema (an array of at least 1000
 person objects, so no grammar ends before max_tokens and each way generates as many tokens); and
-half the rows constrained. It prints output tokens/s of each and their ratio to the
-unconstrained run, and the host time `StructuredOutputManager.apply_masks` took per step (one
-batched fill of the constrained rows' bitmasks plus launching `apply_token_bitmask_inplace`; on
-CUDA the forward runs meanwhile). benchmarks/structured_mask_step.py times the fill alone.
-Writes benchmarks/results/structured_outputs_cpu_stories260k.json.
+half the rows constrained. Before the first timed way the engine runs the workload's shapes once
+untimed with half the rows constrained (lessons.bench.warm_up: the grammar compiled, every
+kernel variant met; printed, and "warmup" in the JSON), so a single --runs times a warm engine.
+It prints output tokens/s of each and their ratio to the unconstrained run, and the host time
+`StructuredOutputManager.apply_masks` took per step (one batched fill of the constrained rows'
+bitmasks plus launching `apply_token_bitmask_inplace`; on CUDA the forward runs meanwhile).
+benchmarks/structured_mask_step.py times the fill alone. Writes
+benchmarks/results/structured_outputs_cpu_stories260k.json.
 
 On a GPU, with Qwen3-0.6B's shapes and its 151,936-token vocabulary (dummy weights):
 
@@ -216,7 +219,7 @@ def main() -> None:
     import torch
 
     from minipaged import LLM, SamplingParams
-    from minipaged.lessons.bench import environment, make_workload
+    from minipaged.lessons.bench import environment, make_workload, step_ms, warm_up
     from minipaged.models.loader import resolve_model
     from minipaged.structured_output import StructuredOutputsParams
 
@@ -257,13 +260,20 @@ def main() -> None:
         return out
     mgr.apply_masks = timed
     host = Breakdown() if a.breakdown else None
-    # warm-up: the engine, and the grammar's compilation for this vocabulary (and on CUDA the
-    # mask kernel's), with constrained and unconstrained rows
-    warm = [p[::-1] for p in wl.prompts[:16]]
-    llm.generate(warm, [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
-                                       structured_outputs=so if i % 2 else None)
-                        for i in range(len(warm))], use_tqdm=False)
     ways = [("none", 0), ("all constrained", 1), ("half constrained", 2)]
+
+    def way_params(every: int) -> list:
+        return [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True,
+                               structured_outputs=so if every and i % every == 0 else None)
+                for i, m in enumerate(max_tokens)]
+    # Warm-up, untimed: the workload's shapes (every request, its prompt length and max_tokens,
+    # token ids reversed) with half the rows constrained, so the grammar's compilation for this
+    # vocabulary, the mask kernel on CUDA and every kernel variant of the run come before the
+    # first timed way, constrained rows and free ones alike.
+    warmup = warm_up(llm, wl.prompts, way_params(2),
+                     what="the workload's shapes with half the rows constrained, prompt token "
+                          "ids reversed")
+    print(warmup, flush=True)
     runs: dict[str, list[dict]] = {name: [] for name, _ in ways}
     order_by_round = []
     for r in range(a.runs):
@@ -272,9 +282,7 @@ def main() -> None:
         order = ways if r % 2 == 0 else ways[::-1]
         order_by_round.append([name for name, _ in order])
         for name, every in order:
-            params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True,
-                                     structured_outputs=so if every and i % every == 0 else None)
-                      for i, m in enumerate(max_tokens)]
+            params = way_params(every)
             mask_times.clear()
             if host is not None:
                 host.clear()
@@ -290,6 +298,7 @@ def main() -> None:
                                                  if mask_times else None),
                 "mask_share_of_time": round(sum(mask_times) / elapsed, 3),
                 "first_output": outs[0].outputs[0].text[:80],  # constrained: starts with "["
+                "step_ms": step_ms(eng.trace[first:]),
                 **({} if host is None else host.per_step(len(eng.trace) - first))})
     results = {}
     for name, rs in runs.items():  # each way's median run by tokens/s
@@ -320,7 +329,7 @@ def main() -> None:
            "workload": workload, "library": "xgrammar " + version("xgrammar"),
            "vocab_size": eng.model_config.vocab_size, "schema": SCHEMA, "runs": a.runs,
            "order": "rounds alternate: none, all, half; then half, all, none",
-           "order_by_round": order_by_round,
+           "order_by_round": order_by_round, "warmup": warmup.to_dict(),
            "results": results, "environment": environment(), "torch_threads":
                torch.get_num_threads()}
     print(f"{'run':<18} {'tok/s':>8} {'ratio':>6} {'paired':>6} {'steps':>6} "

@@ -16,13 +16,16 @@ Phases (`--phases`, default throughput,busbw; `--parity` adds parity), for each 
               workload (`minipaged bench --workload nanovllm`: 256 requests, input and output
               lengths U[100, 1024], seed 0, EOS ignored, temperature 0.6) with the README's H200
               settings (bf16, KV blocks of 128, 8192 batched tokens, CUDA graphs, async
-              scheduling): output tok/s and per-request ITL p50 / p99. Then, in the same engine,
-              decode steps of `--split-batches` sequences (`--split-prompt-len` tokens each) under
-              torch.profiler on rank 0: the step's wall time, the time in all-reduce (NCCL's
-              AllReduce kernels; gloo:all_reduce on the CPU), in the other collectives (the
-              step's broadcast, the logits' gather) and in the rest (compute: every other kernel
-              on the GPU; the step's wall minus its collectives on the CPU). Rank 0's collective
-              time includes waiting for the slower ranks.
+              scheduling): output tok/s and per-request ITL p50 / p99, after a warm-up of the
+              workload's shapes, untimed (`lessons.bench.run_minipaged`; each row's "warmup"
+              says what it ran, "step_ms" its first timed step beside its median step). Then,
+              in the same engine, decode steps of `--split-batches` sequences
+              (`--split-prompt-len` tokens each), after their prefill and 3 untimed decode
+              steps, under torch.profiler on rank 0: the step's wall time, the time in
+              all-reduce (NCCL's AllReduce kernels; gloo:all_reduce on the CPU), in the other
+              collectives (the step's broadcast, the logits' gather) and in the rest (compute:
+              every other kernel on the GPU; the step's wall minus its collectives on the CPU).
+              Rank 0's collective time includes waiting for the slower ranks.
   parity      stories260K in float32, greedy: the tokens at every N > 1 against N = 1, with
               CUDA graphs on and off (CPU: off only)
   busbw       all-reduce bus bandwidth (benchmarks/tp_busbw.py, nccl-tests' busbw) at the
@@ -164,6 +167,7 @@ def run_throughput(model: str, n: int, args) -> dict:
            "output_tokens": r.output_tokens, "elapsed_s": r.elapsed_sec,
            "tokens_per_sec": r.tokens_per_sec, "itl_ms": r.extra["itl_ms"],
            "ttft_ms": r.extra["ttft_ms"], "preemptions": r.extra["preemptions"],
+           "warmup": r.extra["warmup"], "step_ms": r.extra["step_ms"],
            "cuda_graphs": llm.engine.config.use_cuda_graphs,
            "splits": [step_split(llm, b, args.split_prompt_len, args.split_steps)
                       for b in args.split_batches]}
@@ -366,8 +370,8 @@ def main(argv=None) -> int:
                     row = {"model": model, "tp": n, "error": f"{type(exc).__name__}: {exc}"}
                 report["throughput"].append(row)
                 print(f"{model} N={n}: " + (row.get("error") or
-                      f"{row['tokens_per_sec']:,.0f} tok/s, ITL p50 {row['itl_ms']['p50']} ms"),
-                      flush=True)
+                      f"{row['tokens_per_sec']:,.0f} tok/s, ITL p50 {row['itl_ms']['p50']} ms, "
+                      f"after a {bench.Warmup(**row['warmup'])}"), flush=True)
                 save()
     print(format_tables(report))
     print(f"JSON: {out}")

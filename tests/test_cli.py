@@ -275,6 +275,10 @@ def test_bench_reports_the_peak_batch_it_ran(tmp_path):
             "4", "--output-len", "4", "--backends", "minipaged", "--max-num-seqs", "3",
             "--disable-tqdm", "--json", str(out))
     assert r.returncode == 0, r.stderr
-    result = json.loads(out.read_text())["results"][0]
+    report = json.loads(out.read_text())
+    result = report["results"][0]
     assert result["concurrency"] == 3 and result["batch_limit"] == "max_num_seqs=3"
+    # warmed up untimed on the workload's shapes first, and said so
+    assert report["warmup"]["minipaged"] == result["extra"]["warmup"]
+    assert result["extra"]["warmup"]["output_tokens"] == 5 * 4 and "warm-up (untimed)" in r.stdout
     assert "| minipaged | 5 | 3 | max_num_seqs=3 |" in r.stdout

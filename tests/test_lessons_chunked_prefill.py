@@ -22,6 +22,7 @@ def test_decode_itl_both_ways():
         # one gap per decode token after the first, up to the step after the last prefill
         assert 0 < len(r["itl_ms"]) == len(r["itl_step"]) <= 3 * 39
         assert r["itl_p50_ms"] <= r["itl_p99_ms"] <= r["itl_max_ms"]
+        assert r["warmup"]["requests"] == 3 + 1 and r["warmup"]["seconds"] > 0
         assert abs(r["itl_max_ms"] - max(r["itl_ms"])) < 1e-3
         # a gap is the CPU time of the steps it spans: never less than its last step's
         steps = r["step_cpu_ms"]

@@ -112,6 +112,9 @@ def test_compare_reports_both_sides():
     assert (off.setting, on.setting) == ("off", "ngram k=2")
     assert off.output_tokens == on.output_tokens == 48
     assert off.proposed == 0 and on.proposed > 0
+    for r in runs:  # each engine warmed up on the timed requests' shapes, untimed
+        assert r.warmup["requests"] == 2 and r.warmup["output_tokens"] == 48
+        assert r.step_ms["steps"] == r.steps
     assert on.steps < off.steps or on.accepted == 0
     assert "ngram k=2" in sdm.format_runs(runs)
     assert len(set(sdm.story_prompts(64))) == 64

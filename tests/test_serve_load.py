@@ -142,6 +142,10 @@ def test_end_to_end_on_stories260k(tmp_path):
     if sys.platform == "linux":  # the server's CPU time comes from /proc
         assert four["server_cpu_percent"] and four["server_cpu_percent"][0] > 0
     assert data["offline"]["batch"]["num_requests"] == 6
+    # warmed up untimed: each level's concurrency (--warmup 2 requests), the offline batch once
+    assert [(w["concurrency"], w["requests"]) for w in data["warmup"]["levels"]] == [(2, 2),
+                                                                                    (1, 2)]
+    assert data["offline"]["batch"]["warmup"]["requests"] == 6
     assert data["offline"]["single"]["num_requests"] == 2
     assert data["offline"]["engine_kwargs"]["max_model_len"] == 256
     assert set(one["vs_offline"]) >= {"tokens_per_sec", "itl_p99", "single_ttft_p50"}

@@ -70,6 +70,7 @@ def test_tiny_cpu_run_writes_every_phase(tmp_path):
                                                                   ("stories260K", 2)]
     one, two = rep["throughput"]
     assert one["output_tokens"] == two["output_tokens"] > 0 and one["itl_ms"]["p99"] is not None
+    assert one["warmup"]["output_tokens"] == one["output_tokens"]  # warmed on the same shapes
     s1, s2 = one["splits"][0], two["splits"][0]
     assert s1["batch"] == s2["batch"] == 2 and s1["running"] == 2
     assert s1["all_reduces_per_step"] == 0 and s1["all_reduce_ms"] == 0

@@ -20,6 +20,18 @@ the knob that bounds it. The table calls them "peak batch" and "batch limit". HF
 on a subsample (`--hf-max-requests`); the table says so. `progress(n)`, when given, hears that n
 more requests finished (`minipaged bench` passes a tqdm bar's `update`). Lessons 03 and 08 use
 them too (the notebooks import them from `minipaged.lessons.bench`).
+
+Warm-up: every engine a benchmark times runs its timed requests' shapes once, untimed, first
+(`warm_up`: the same batch, prompt lengths, sampling parameters and max_tokens, the prompts'
+token ids reversed so that the timed run finds none of them in the prefix cache). On a GPU a
+fresh engine's first forwards compile kernels (Triton picks a variant by query length, and by
+context length in the steps that run eagerly: prefill, mixed and large verify steps, whose
+split-KV choice changes as contexts grow), so a warm-up that stops after a few tokens leaves
+compiles inside the timed window; on the CPU the first calls of each shape allocate. `Warmup`
+says what was run (requests, tokens, steps, seconds); benchmarks print it and write it to their
+JSON ("warmup"). `step_ms(trace)` puts a timed window's first step beside its median step, so a
+run shows from its own trace whether it started cold. The HF baselines warm up on a few tokens of
+their first requests (`run_hf`: eager PyTorch, nothing is compiled per shape).
 """
 from __future__ import annotations
 
@@ -110,6 +122,78 @@ def _result(backend, num_requests, concurrency, elapsed, output_tokens, subsampl
                        batch_limit=batch_limit, extra=extra)
 
 
+SAME_SHAPES = "the timed requests' shapes, prompt token ids reversed"  # what `warm_up` runs
+
+
+@dataclass
+class Warmup:
+    """What a benchmark ran, untimed, before its first timed run on an engine (or an HF mode)."""
+
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    seconds: float
+    steps: Optional[int] = None  # engine steps (None: an HF baseline, which keeps no trace)
+    what: str = SAME_SHAPES
+
+    def to_dict(self) -> dict:
+        return {"requests": self.requests, "prompt_tokens": self.prompt_tokens,
+                "output_tokens": self.output_tokens, "steps": self.steps,
+                "seconds": round(self.seconds, 3), "what": self.what}
+
+    def __str__(self) -> str:
+        steps = "" if self.steps is None else f", {self.steps} steps"
+        return (f"warm-up (untimed): {self.requests} request{'s' * (self.requests != 1)}, "
+                f"{self.prompt_tokens:,} prompt + "
+                f"{self.output_tokens:,} output tokens{steps}, {self.seconds:.2f} s")
+
+
+def token_ids(llm, prompt) -> list[int]:
+    """A prompt (text, token ids or {"prompt_token_ids": ...}) as the engine's token ids."""
+    if isinstance(prompt, str):
+        return llm.engine.tokenize(prompt)
+    if isinstance(prompt, dict):
+        return list(prompt["prompt_token_ids"])
+    return list(prompt)
+
+
+def warm_up(llm, prompts, params, lora_request=None, what: str = SAME_SHAPES) -> Warmup:
+    """Run `prompts` with `params` (one SamplingParams or one per prompt) once, untimed, their
+    token ids reversed: the same batch, prompt lengths and output lengths as the timed run that
+    follows, none of its prefixes. Every kernel variant the timed run meets is compiled (on a
+    GPU) and every buffer it needs allocated, so its first step is as fast as its others."""
+    ids = [token_ids(llm, p)[::-1] for p in prompts]
+    first = len(llm.engine.trace)
+    t0 = time.perf_counter()
+    outs = llm.generate(ids, params, use_tqdm=False, lora_request=lora_request)
+    _sync(llm)
+    seconds = time.perf_counter() - t0
+    return Warmup(len(ids), sum(map(len, ids)),
+                  sum(len(c.token_ids) for o in outs for c in o.outputs), seconds,
+                  len(llm.engine.trace) - first, what)
+
+
+def _sync(llm) -> None:
+    if llm.engine.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def step_ms(trace) -> dict:
+    """A timed window's first step against its median step (engine trace, wall ms), and the
+    sequences the first step ran. Warm, the first step is the batch's prefill, which costs what
+    its prompts cost (on the CPU about two or three decode steps a prompt); cold, it also
+    carries the engine's first-use costs (kernel compiles on a GPU, allocations)."""
+    times = sorted(r.duration for r in trace)
+    if not times:
+        return {"steps": 0, "first": None, "median": None, "first_over_median": None,
+                "first_step_sequences": 0}
+    first, median = trace[0].duration, times[len(times) // 2]
+    return {"steps": len(times), "first": round(first * 1e3, 3),
+            "median": round(median * 1e3, 3),
+            "first_over_median": round(first / median, 2) if median else None,
+            "first_step_sequences": len(trace[0].scheduled)}
+
+
 def percentiles_ms(xs: list[float]) -> dict:
     """p50 / p90 / p99 of durations in seconds, in milliseconds (numpy's linear interpolation);
     None for each when there are no samples."""
@@ -120,19 +204,15 @@ def percentiles_ms(xs: list[float]) -> dict:
 
 
 def run_minipaged(llm, wl: Workload, temperature: float = 0.0,
-                  use_tqdm: bool = False) -> BenchResult:
+                  use_tqdm: bool = False, warmup: bool = True) -> BenchResult:
+    """The workload on `llm`, timed; first (`warmup`) its shapes once untimed (`warm_up`), so
+    the run meets no kernel variant, graph or buffer for the first time. `warmup=False`: the
+    caller has warmed this engine with the same shapes already."""
     from minipaged import SamplingParams
     params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True, seed=None)
               for m in wl.max_tokens]
-    # Warm-up: compile every kernel variant a run meets (long prefill chunks mixed with decodes,
-    # decode graphs, the sampler) before the clock starts, as a server would before serving.
-    # The prompts are reversed so that the run finds none of them in the prefix cache.
-    warm = min(len(wl.prompts), 32)
-    llm.generate([p[::-1] for p in wl.prompts[:warm]],
-                 [SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True)] * warm,
-                 use_tqdm=False)
-    if llm.engine.device.type == "cuda":
-        torch.cuda.synchronize()
+    warm = warm_up(llm, wl.prompts, params).to_dict() if warmup else None
+    _sync(llm)
     first_step = len(llm.engine.trace)
     t0 = time.perf_counter()
     outs = llm.generate(wl.prompts, params, use_tqdm=use_tqdm)
@@ -146,8 +226,8 @@ def run_minipaged(llm, wl: Workload, temperature: float = 0.0,
     return _result("minipaged", len(outs), peak, elapsed, tokens,
                    batch_limit=f"max_num_seqs={llm.engine.config.max_num_seqs}", ttft_ms=percentiles_ms(ttft), itl_ms=percentiles_ms(itl),
                    preemptions=sum(o.metrics["num_preemptions"] for o in outs),
-                   **step_breakdown(llm.engine.trace[first_step:]),
-                   **bandwidth(llm, wl, elapsed, llm.engine.trace[first_step:]))
+                   **step_breakdown(trace), **bandwidth(llm, wl, elapsed, trace),
+                   warmup=warm, step_ms=step_ms(trace))
 
 
 def step_breakdown(trace) -> dict:
@@ -193,22 +273,40 @@ def bandwidth(llm, wl: Workload, elapsed: float, trace) -> dict:
     return out
 
 
+HF_WARMUP_TOKENS = 8  # new tokens per request of an HF baseline's warm-up
+
+
 def run_hf(backend: str, model, wl: Workload, batch_size: int, subsampled: bool,
-           progress: Optional[Callable[[int], None]] = None) -> BenchResult:
+           progress: Optional[Callable[[int], None]] = None, warmup: bool = True) -> BenchResult:
+    """One HF mode on the workload, timed; first (`warmup`) the same mode untimed on its first
+    batch (hf-sequential: one request; hf-static: `batch_size` requests; hf-cb: all of them, as
+    it admits them all at once), `HF_WARMUP_TOKENS` new tokens each."""
     import minipaged.benchmark.hf_baselines as baseline
-    args = (model, wl.prompts, wl.max_tokens)
-    fn = {"hf-sequential": lambda: baseline.hf_sequential(*args, on_finished=progress),
-          "hf-static": lambda: baseline.hf_static(*args, batch_size, on_finished=progress),
-          "hf-cb": lambda: baseline.hf_continuous(*args, on_finished=progress)}[backend]
-    r = fn()
+
+    def call(w: Workload, on_finished=None):
+        args = (model, w.prompts, w.max_tokens)
+        return {"hf-sequential": lambda: baseline.hf_sequential(*args, on_finished=on_finished),
+                "hf-static": lambda: baseline.hf_static(*args, batch_size,
+                                                        on_finished=on_finished),
+                "hf-cb": lambda: baseline.hf_continuous(*args, on_finished=on_finished)
+                }[backend]()
     n = len(wl.prompts)
+    warm = None
+    if warmup:
+        first = wl.subset({"hf-sequential": 1, "hf-static": batch_size}.get(backend, n))
+        w = call(Workload(wl.name, first.prompts,
+                          [min(m, HF_WARMUP_TOKENS) for m in first.max_tokens]))
+        warm = Warmup(len(first.prompts), first.num_prompt_tokens, w.output_tokens, w.elapsed,
+                      what=f"this mode on its first batch, {HF_WARMUP_TOKENS} new tokens "
+                           "each").to_dict()
+    r = call(wl, progress)
     # hf-cb admits every request at once (max_requests_per_batch=n, a cache that holds them all):
     # its peak batch is n, as configured (transformers does not report it).
     peak, limit = {"hf-sequential": (1, "one at a time"),
                    "hf-static": (min(batch_size, n), f"batch_size={batch_size}"),
                    "hf-cb": (n, f"max_requests_per_batch={n}")}[backend]
     return _result(backend, n, peak, r.elapsed, r.output_tokens, subsampled=subsampled,
-                   batch_limit=limit, padded_tokens=r.padded_tokens)
+                   batch_limit=limit, padded_tokens=r.padded_tokens, warmup=warm)
 
 
 def format_table(results: list[BenchResult]) -> str:

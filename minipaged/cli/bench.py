@@ -4,7 +4,9 @@ The workloads, runners and table live in `minipaged/benchmark/throughput.py` (le
 use them too, and its docstring is below); this is the command line around them, with every engine
 flag of `EngineConfig`. A bar counts the backends and one the requests of each (`--disable-tqdm`
 hides them); the table goes to stdout and, with `--json FILE`, with the environment into FILE
-(rewritten after every backend, so a run stopped later keeps its rows).
+(rewritten after every backend, so a run stopped later keeps its rows). Each backend is warmed
+up untimed before its timed run (`lessons.bench.warm_up`, `run_hf`); each result line says what
+the warm-up was, and the JSON keeps it ("warmup", by backend).
 """
 from __future__ import annotations
 
@@ -81,6 +83,7 @@ def bench(argv: list[str]) -> int:
                             "prompt_tokens": wl.num_prompt_tokens,
                             "output_tokens": sum(wl.max_tokens),
                             "temperature": args.temperature, "ignore_eos": True},
+               "warmup": {r.backend: r.extra.get("warmup") for r in results},
                "results": [asdict(r) for r in results],
                "table": throughput.format_table(results)}
         if args.json:
@@ -90,7 +93,10 @@ def bench(argv: list[str]) -> int:
 
     def done(result: BenchResult) -> None:
         results.append(result)
-        tqdm.write(f"{result.backend}: {result.tokens_per_sec:,.0f} tok/s", file=sys.stdout)
+        warm = result.extra.get("warmup")
+        tqdm.write(f"{result.backend}: {result.tokens_per_sec:,.0f} tok/s"
+                   + (f" (after a {throughput.Warmup(**warm)})" if warm else ""),
+                   file=sys.stdout)
         report()
 
     quiet = args.disable_tqdm

@@ -23,6 +23,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from minipaged import LLM, SamplingParams
+from minipaged.lessons.bench import Warmup
 
 CONFIGS = {"chunked prefill on": True, "chunked prefill off": False}
 
@@ -95,8 +96,17 @@ def measure_decode_itl(model: str = "stories260K", num_decodes: int = 8,
                for name, on in CONFIGS.items()}
     args = dict(num_decodes=num_decodes, decode_tokens=decode_tokens, num_long=num_long,
                 long_len=long_len, arrival_every=arrival_every, seed=seed)
-    for llm in engines.values():  # warm-up: first steps of a fresh engine are slower
-        _one_run(llm, **dict(args, decode_tokens=8, num_long=1))
+    warmups = {}
+    for name, llm in engines.items():  # warm-up: first steps of a fresh engine are slower
+        # Every kind of step the timed runs make (short prefills, decodes, a long prompt's
+        # chunks or whole prefill beside them), a few tokens each, untimed.
+        warm = dict(args, decode_tokens=8, num_long=1)
+        t0 = time.perf_counter()
+        steps = _one_run(llm, **warm)["steps"]
+        warmups[name] = Warmup(
+            num_decodes + 1, num_decodes * 9 + long_len, num_decodes * 8 + 4,
+            time.perf_counter() - t0, steps, what=f"{num_decodes} decodes of 8 tokens and one "
+            f"long prompt arriving, as the timed runs (untimed)").to_dict()
     best: dict[str, Optional[dict]] = {name: None for name in engines}
     for _ in range(repeats):
         for name, llm in engines.items():
@@ -105,6 +115,7 @@ def measure_decode_itl(model: str = "stories260K", num_decodes: int = 8,
                 best[name] = r
     for name, on in CONFIGS.items():
         best[name]["max_num_batched_tokens"] = max_num_batched_tokens if on else max_model_len
+        best[name]["warmup"] = warmups[name]
     on, off = best["chunked prefill on"], best["chunked prefill off"]
     return {"model": model, "device": device, "workload": dict(args, max_model_len=max_model_len),
             "repeats": repeats, "timing": "CPU time per step (time.process_time), best of "

@@ -3,8 +3,9 @@
 * `preemption_experiment(...)` runs one workload under memory pressure with
   `preemption_mode="recompute"` or `"swap"` (or recompute with prefix caching, or a cache big
   enough for no preemption at all) on the real engine and reports time (best wall time, least
-  CPU time of `repeats` fresh engines), tokens recomputed, prefix-cache hits and bytes swapped,
-  read from the trace; `preemption_verdict` says which was cheaper, from those numbers.
+  CPU time of `repeats` fresh engines, each warmed up first with the workload's shapes under the
+  same pressure: `lessons.bench.warm_up`), tokens recomputed, prefix-cache hits and bytes
+  swapped, read from the trace; `preemption_verdict` says which was cheaper, from those numbers.
 * `swap_copy_microbenchmark(...)` times the swap copy alone: minipaged's gather-then-copy
   against one copy per block and layer (vLLM v0's way).
 
@@ -34,6 +35,8 @@ class PreemptionRun:
     output_tokens: int
     outputs: list = None  # token ids, to check that modes agree
     same_as_first: Optional[int] = None  # requests with the same tokens as the first mode run
+    warmup: Optional[dict] = None  # lessons.bench.Warmup.to_dict() of the fastest run's engine
+    step_ms: Optional[dict] = None  # lessons.bench.step_ms of the fastest run
 
     def row(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "outputs"}
@@ -61,6 +64,7 @@ def preemption_experiment(mode: str, block_size: int, cache_tokens: int, wl, *,
     import torch
 
     from minipaged import LLM, SamplingParams
+    from minipaged.lessons.bench import step_ms, warm_up
     need = sum(len(p) + m for p, m in zip(wl.prompts, wl.max_tokens))
     num_blocks = (-(-need // block_size) + len(wl.prompts)) if mode == "none" else \
         cache_tokens // block_size
@@ -73,11 +77,10 @@ def preemption_experiment(mode: str, block_size: int, cache_tokens: int, wl, *,
                   max_model_len=-(-max_len // block_size) * block_size,
                   preemption_mode="swap" if mode == "swap" else "recompute",
                   num_cpu_blocks=num_cpu_blocks)
-        warm = [[1] + [3] * 8]  # a prompt of none of the requests
-        llm.generate(warm, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        # The workload's shapes once, untimed (it preempts as the timed run will): a fresh
+        # engine's first steps, preemptions and swaps allocate, and compile on a GPU.
+        warm = warm_up(llm, wl.prompts, params)
         start = len(llm.trace)
-        if llm.engine.device.type == "cuda":
-            torch.cuda.synchronize()
         t0, c0 = time.perf_counter(), time.process_time()
         outs = llm.generate(wl.prompts, params, use_tqdm=False)
         if llm.engine.device.type == "cuda":
@@ -92,7 +95,8 @@ def preemption_experiment(mode: str, block_size: int, cache_tokens: int, wl, *,
             prefix_hit_tokens=sum(r.num_prefix_hit_tokens for r in trace),
             swapped_bytes=sum(r.num_swapped_bytes for r in trace),
             output_tokens=sum(len(o.outputs[0].token_ids) for o in outs),
-            outputs=[o.outputs[0].token_ids for o in outs])
+            outputs=[o.outputs[0].token_ids for o in outs], warmup=warm.to_dict(),
+            step_ms=step_ms(trace))
         least_cpu = min(least_cpu, cpu)
         if best is None or run.wall_s < best.wall_s:
             best = run

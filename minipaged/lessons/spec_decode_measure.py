@@ -1,10 +1,12 @@
 """Lesson 10's timing runs: speculative decoding on one stream and on a full batch, side by side.
 
-`compare` builds one `LLM` per setting (speculation off, n-gram with each k), warms each up, and
-times the same requests on each in turns (round-robin repeats, best kept), so every setting
-meets the same machine load. A row carries tokens/s, the inter-token latency (a request's decode
-time over its tokens after the first), target forwards (engine steps) and the proposed /
-accepted counts the engine reports (RequestOutput.metrics). benchmarks/spec_decode.py runs the
+`compare` builds one `LLM` per setting (speculation off, n-gram with each k), warms each up with
+the timed requests' shapes (`lessons.bench.warm_up`: the same batch, prompt lengths and
+max_tokens, untimed, so that even one repeat times a warm engine), and times the same requests on
+each in turns (round-robin repeats, best kept), so every setting meets the same machine load. A
+row carries tokens/s, the inter-token latency (a request's decode time over its tokens after the
+first), target forwards (engine steps) and the proposed / accepted counts the engine reports
+(RequestOutput.metrics). benchmarks/spec_decode.py runs the
 same function at batch 1, 8 and 64 on the CPU, and on an H200.
 """
 from __future__ import annotations
@@ -46,6 +48,8 @@ class SpecRun:
     steps: int  # target forwards (engine steps)
     proposed: int
     accepted: int
+    warmup: Optional[dict] = None  # lessons.bench.Warmup.to_dict() of this setting's engine
+    step_ms: Optional[dict] = None  # lessons.bench.step_ms: the first step against the median
 
     @property
     def ms_per_step(self) -> float:
@@ -61,6 +65,7 @@ class SpecRun:
 
 
 def _run_once(llm, prompts: Sequence[str], params, setting: str) -> SpecRun:
+    from minipaged.lessons.bench import step_ms
     first_step = len(llm.engine.trace)
     t0 = time.perf_counter()
     outs = llm.generate(list(prompts), params, use_tqdm=False)
@@ -73,7 +78,8 @@ def _run_once(llm, prompts: Sequence[str], params, setting: str) -> SpecRun:
                    itls[len(itls) // 2] * 1e3 if itls else 0.0,
                    len(llm.engine.trace) - first_step,
                    sum(o.metrics.get("spec_num_draft_tokens", 0) for o in outs),
-                   sum(o.metrics.get("spec_num_accepted_tokens", 0) for o in outs))
+                   sum(o.metrics.get("spec_num_accepted_tokens", 0) for o in outs),
+                   step_ms=step_ms(llm.engine.trace[first_step:]))
 
 
 def compare(model: str, batch: int, ks: Sequence[int] = (0, 2, 4), max_tokens: int = 128,
@@ -82,9 +88,12 @@ def compare(model: str, batch: int, ks: Sequence[int] = (0, 2, 4), max_tokens: i
             **llm_kw) -> list[SpecRun]:
     """Greedy, ignore_eos: `batch` prompts (default: story openings; or token id lists),
     `max_tokens` each, at every k (0 = off). Best of `repeats` per setting, the settings
-    interleaved. `configs` (k -> (name, speculative_config)) replaces the n-gram settings;
-    `llms` (k -> LLM) reuses engines built before (their max_num_seqs must hold the batch)."""
+    interleaved, each engine warmed up first with the same requests' shapes (untimed; the
+    rows' `warmup` says what it ran). `configs` (k -> (name, speculative_config)) replaces the
+    n-gram settings; `llms` (k -> LLM) reuses engines built before (their max_num_seqs must hold
+    the batch)."""
     from minipaged import LLM, SamplingParams
+    from minipaged.lessons.bench import warm_up
     prompts = list(prompts) if prompts is not None else story_prompts(batch)
     if len(prompts) != batch:
         raise ValueError(f"prompts must hold batch={batch} prompts, got {len(prompts)}")
@@ -92,14 +101,12 @@ def compare(model: str, batch: int, ks: Sequence[int] = (0, 2, 4), max_tokens: i
                               ngram_config(k, prompt_lookup_max)) for k in ks}
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llms = dict(llms or {})
+    warm = {}
     for k in ks:
         if k not in llms:
             llms[k] = LLM(model, speculative_config=configs[k][1],
                           max_num_seqs=max(batch, 1), **llm_kw)
-        # Warm-up: other prompts (reversed), so the timed run finds no prefix-cache hit.
-        llms[k].generate([p[::-1] for p in prompts[:8]],
-                         SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
-                         use_tqdm=False)
+        warm[k] = warm_up(llms[k], prompts, params).to_dict()  # synchronized
     best: dict[int, SpecRun] = {}
     for _ in range(repeats):
         for k in ks:
@@ -107,6 +114,8 @@ def compare(model: str, batch: int, ks: Sequence[int] = (0, 2, 4), max_tokens: i
             run = _run_once(llms[k], prompts, params, configs[k][0])
             if k not in best or run.elapsed_sec < best[k].elapsed_sec:
                 best[k] = run
+    for k in ks:
+        best[k].warmup = warm[k]
     return [best[k] for k in ks]
 
 
