@@ -1,4 +1,4 @@
-"""`online_softmax_attention` (minipaged/attention/torch_ref.py, lesson 05) against the oracle.
+"""`online_softmax_attention` (minipaged/attention/online_softmax.py, lesson 05) against the oracle.
 
 The block-by-block online softmax must give what `paged_attention_reference` (one softmax over
 the whole row) gives: decodes and prefills, a chunk over a cached prefix, lengths at the block
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from minipaged.attention.metadata import AttentionMetadata
-from minipaged.attention.torch_ref import online_softmax_attention, paged_attention_reference
+from minipaged.attention.online_softmax import online_softmax_attention
+from minipaged.attention.torch_ref import paged_attention_reference
 from minipaged.utils import cdiv
 
 

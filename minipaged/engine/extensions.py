@@ -1,8 +1,9 @@
 """The request-extension seam: capabilities that act on requests, attached once at build.
 
 A request extension (structured outputs, LoRA adapters, n > 1 and beam search) plugs into
-`LLMEngine` at a few named points of a request's life. Each hook is called once per batch (never once per row) and only
-for the extensions that define it; with none registered the engine's step calls nothing:
+`LLMEngine` at a few named points of a request's life. Each hook is called once per batch
+(never once per row) and only for the extensions that define it; with none registered the
+engine's step calls nothing:
 
     prepare(engine, request_id, params, n)    add_request, once the prompt (n tokens) is read:
                                               (the params its sequences run with, a function

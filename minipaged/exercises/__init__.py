@@ -123,7 +123,7 @@ EXERCISES: tuple[Exercise, ...] = (
         name="online_softmax",
         lessons=("05_paged_attention_kernel",),
         summary="paged attention over one block-table walk with an online softmax",
-        targets=("minipaged.attention.torch_ref:online_softmax_attention",),
+        targets=("minipaged.attention.online_softmax:online_softmax_attention",),
         tests=("tests/test_torch_ref.py",)),
 )
 

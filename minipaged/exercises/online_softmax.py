@@ -1,8 +1,8 @@
 """Exercise `online_softmax` (lesson 05): paged attention over a block-table walk, online softmax.
 
-Write `online_softmax_attention` of minipaged/attention/torch_ref.py: one sequence's attention,
-reading its keys and values one block at a time through its block table, with the running
-max / sum / accumulator of the flash-attention recurrence (lesson 05, section 3, does it with
+Write `online_softmax_attention` of minipaged/attention/online_softmax.py: one sequence's
+attention, reading its keys and values one block at a time through its block table, with the
+running max / sum / accumulator of the flash-attention recurrence (lesson 05, section 3, does it with
 numbers; the Triton kernel does it per tile). While the grader runs, your function replaces the
 real one, and the tests compare it with `paged_attention_reference` (one softmax over the whole
 row). Grade it with
