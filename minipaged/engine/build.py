@@ -23,8 +23,6 @@ A step loop that plans differently passes its own `Scheduler` subclass as `base`
 from __future__ import annotations
 
 import functools
-from typing import Callable
-
 import torch
 
 from minipaged.engine.block_manager import BlockManager
@@ -44,11 +42,12 @@ from minipaged.worker.swap import allocate_cpu_cache, determine_num_cpu_blocks
 
 
 def build_model(config, source, dtype: torch.dtype, device: torch.device, backend,
-                live_lora_ids: Callable[[], set[int]]):
+                requests: dict):
     """(the model, its `ModelConfig`, the LoRA manager or None). With tensor parallelism the
     workers are started first (they load their shards too) and this process holds 1/N of every
     layer (lesson 09); `quantization` replaces the linear layers (lesson 11); `enable_lora`
-    puts adapter slots around them (lora/manager.py)."""
+    puts adapter slots around them (lora/manager.py), its CPU cache keeping the adapters of the
+    unfinished `requests` (the engine's, by id) first."""
     tp = None
     if config.tensor_parallel_size > 1:
         from minipaged.distributed.launch import start_tensor_parallel
@@ -64,7 +63,8 @@ def build_model(config, source, dtype: torch.dtype, device: torch.device, backen
             model, model_config, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
             max_cpu_loras=config.max_cpu_loras,
             max_num_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
-            device=device, dtype=dtype, live_lora_ids=live_lora_ids)
+            device=device, dtype=dtype,
+            live_lora_ids=lambda: {s.lora_int_id for s in requests.values()} - {0})
     return model, model_config, lora_manager
 
 

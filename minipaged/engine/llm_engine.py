@@ -67,8 +67,9 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         # The model, with the capabilities that change it (engine/build.py): 1/N of every layer
         # with tensor parallelism (lesson 09), fp8 layers, adapter slots (lesson 11).
+        self.requests: dict[str, Sequence] = {}  # unfinished requests: their first sequence
         self.model, self.model_config, self.lora_manager = build_model(
-            config, self.source, self.dtype, self.device, self.backend, self._live_lora_ids)
+            config, self.source, self.dtype, self.device, self.backend, self.requests)
         self.kv_config = self.model.config  # the KV heads this process holds (1/N with TP)
         self.tokenizer = load_tokenizer(self.source, config.tokenizer)
         self.eos_token_ids = self._eos_ids()
@@ -92,7 +93,6 @@ class LLMEngine:
                                          self.lora_manager)
         sampler_cls = KernelSampler if config.sampler_kernel else Sampler  # (CUDA: kernels)
         self.sampler = sampler_cls(seed=config.seed, eos_token_ids=self.eos_token_ids)
-        self.requests: dict[str, Sequence] = {}  # unfinished requests: their first sequence
         self.groups: dict[str, SequenceGroup] = {}  # ... those with n > 1 or a beam search
         self.ext, structured = build_extensions(self)  # request extensions (extensions.py)
         self.structured_output, self.grammar_compiles = structured.manager, structured.compiles
@@ -184,10 +184,6 @@ class LLMEngine:
             hold(seq)
         return seq
 
-    def _live_lora_ids(self) -> set[int]:
-        """The adapters of the unfinished requests (the LoRA CPU cache keeps them first)."""
-        return {s.lora_int_id for s in self.requests.values()} - {0}
-
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
@@ -217,10 +213,10 @@ class LLMEngine:
     def schedule(self) -> SchedulerOutput:
         """Phase 1, plan the step; swapped blocks move before the forward (freed GPU blocks
         may be rewritten by this very step)."""
-        for hook in self.ext.before_plan:  # e.g. requests whose grammar has compiled join
+        for hook in self.ext.before_plan:  # e.g. held requests whose wait is over join the queue
             hook(self)
         sched = self.scheduler.schedule()
-        for hook in self.ext.after_plan:  # e.g. adapters the LoRA CPU cache dropped, read again
+        for hook in self.ext.after_plan:  # e.g. fail what cannot run after all
             hook(self, sched)
         swap_out_blocks(self.kv_cache, self.cpu_cache, sched.blocks_to_swap_out)
         swap_in_blocks(self.cpu_cache, self.kv_cache, sched.blocks_to_swap_in)
@@ -228,7 +224,7 @@ class LLMEngine:
 
     def execute_model(self, sched: SchedulerOutput, *args) -> torch.Tensor:
         """Phase 2, the forward: logits (num_sampling_rows, vocab), queued on a GPU. `args`
-        go to the runner (async scheduling: the step whose tokens are still on the device)."""
+        go to the runner (lesson 08: the step whose tokens are still on the device)."""
         return self.model_runner.execute(sched, *args)
 
     def fail_before_forward(self, seq: Sequence, exc: Exception) -> None:
@@ -328,7 +324,7 @@ class LLMEngine:
         touched: dict[str, SequenceGroup] = {}  # groups with a sample this step
         out = self.output_processor
         for row, seq in enumerate(sampling):
-            if seq.is_finished:  # aborted, failed, or stopped by a token read late (async)
+            if seq.is_finished:  # aborted, failed, or stopped by a token read a step late
                 continue
             try:
                 token = sampler_out.token_ids[row]
