@@ -88,7 +88,7 @@ class EngineConfig:
     enforce_eager: bool = _knob(False, "never replay decode steps from CUDA graphs")
     async_scheduling: Optional[bool] = _knob(
         None, "plan and launch step t+1 while the GPU still runs step t, reading step t's tokens "
-              "one step late (worker/async_scheduling.py); auto: on for CUDA, off on the CPU and "
+              "one step late (async_sched/step_loop.py); auto: on for CUDA, off on the CPU and "
               "with speculative_config (a verify step needs its tokens at once)")
     kv_cache_dtype: str = _knob(
         "auto", "what the KV cache stores. auto: the model's dtype; fp8 (fp8_e4m3): float8 e4m3, "

@@ -1,4 +1,4 @@
-"""Beam search (`LLM.beam_search`, `minipaged/engine/beam_search.py`): token-exact with Hugging Face
+"""Beam search (`LLM.beam_search`, `minipaged/groups/beam_search.py`): token-exact with Hugging Face
 `generate(num_beams=k, do_sample=False, length_penalty=..., early_stopping=...)`, and the block
 bookkeeping of beams (fork every step, free dropped beams, copy-on-write, no leaks).
 
