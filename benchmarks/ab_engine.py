@@ -1,0 +1,134 @@
+"""A/B of two checkouts' engines on the nano-vllm workload, in one run, with one driver.
+
+Each side is a folder holding a `minipaged` package (this checkout, or another revision's
+`git archive REV minipaged | tar -x -C DIR`). Every run is a fresh process that imports that
+side's package and nothing else of it: this script builds the engine, draws the workload itself
+(nano-vllm's bench: `random.seed(0)`, 256 prompts of `randint(100, 1024)` ids below 10,000,
+`max_tokens = randint(100, 1024)`, temperature 0.6, EOS ignored), runs the whole workload once
+untimed (kernels compiled, graphs captured, every shape met), then times it once. So both sides
+get the same warm-up and the same clock, whatever their own `minipaged bench` does. Sides
+alternate A, B, B, A, A, B, ... so that drift of the machine falls on both alike; the summary is
+the median over rounds of each round's B / A ratio (paired) beside each side's median tok/s.
+
+    python benchmarks/ab_engine.py --a OLD_DIR --b . --rounds 4 --out FILE.json \
+        [--label-a c32a5d0 --label-b HEAD] [--model dummy:qwen3-0.6b --block-size 128]
+
+Needs the GPU it is measured on (`--device cpu` runs it anywhere, for a smoke test with
+`--num-requests 4 --model stories260K`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def workload(num_requests: int, max_input: int, max_output: int, seed: int = 0):
+    """nano-vllm's bench, drawn as it draws it (lengths capped by the two maxima)."""
+    random.seed(seed)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input))]
+               for _ in range(num_requests)]
+    max_tokens = [random.randint(100, max_output) for _ in range(num_requests)]
+    return prompts, max_tokens
+
+
+def run_side(a: argparse.Namespace) -> dict:
+    """One timed run of the side's engine in this process (after one untimed run)."""
+    sys.path.insert(0, os.path.abspath(a.run))
+    import torch
+
+    from minipaged import LLM, SamplingParams
+    llm = LLM(a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
+              max_num_batched_tokens=a.max_num_batched_tokens, seed=0)
+    prompts, max_tokens = workload(a.num_requests, a.max_input, a.max_output)
+    if llm.engine.model_config.vocab_size <= 10000:  # a small model (the CPU smoke test)
+        prompts = [[t % llm.engine.model_config.vocab_size for t in p] for p in prompts]
+    params = [SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    t0 = time.perf_counter()
+    llm.generate([p[::-1] for p in prompts], params, use_tqdm=False)  # warm-up, untimed
+    warm_sec = time.perf_counter() - t0
+    if a.device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    if a.device == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"tokens_per_sec": round(tokens / elapsed, 1), "elapsed_sec": round(elapsed, 3),
+            "output_tokens": tokens,
+            "warmup": {"requests": len(prompts), "output_tokens": tokens,
+                       "seconds": round(warm_sec, 2)}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--a"), ap.add_argument("--b")
+    ap.add_argument("--label-a", default="A"), ap.add_argument("--label-b", default="B")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--run", default=None, help="(internal) time this side's engine once")
+    ap.add_argument("--json", default=None, help="(internal) where --run writes its result")
+    ap.add_argument("--model", default="dummy:qwen3-0.6b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--max-input", type=int, default=1024)
+    ap.add_argument("--max-output", type=int, default=1024)
+    a = ap.parse_args()
+    if a.run:
+        with open(a.json, "w") as f:
+            json.dump(run_side(a), f)
+        return
+    engine_args = ["--model", a.model, "--dtype", a.dtype, "--device", a.device,
+                   "--block-size", str(a.block_size),
+                   "--max-num-batched-tokens", str(a.max_num_batched_tokens),
+                   "--num-requests", str(a.num_requests), "--max-input", str(a.max_input),
+                   "--max-output", str(a.max_output)]
+    runs = {"a": [], "b": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(a.rounds):
+            for side in (("a", "b") if r % 2 == 0 else ("b", "a")):
+                path = os.path.join(tmp, f"{side}{r}.json")
+                subprocess.run([sys.executable, __file__, "--run", getattr(a, side),
+                                "--json", path] + engine_args, check=True)
+                runs[side].append(json.load(open(path)))
+                print(f"round {r} {getattr(a, 'label_' + side)}: "
+                      f"{runs[side][-1]['tokens_per_sec']:,.0f} tok/s", flush=True)
+    tps = {s: [x["tokens_per_sec"] for x in runs[s]] for s in "ab"}
+    paired = [b / a_ for a_, b in zip(tps["a"], tps["b"])]
+    summary = {
+        "benchmark": "ab_engine",
+        "command": f"python benchmarks/ab_engine.py --a A --b B --rounds {a.rounds} "
+                   + " ".join(engine_args),
+        "workload": f"nano-vllm: {a.num_requests} requests, input U[100, {a.max_input}], output "
+                    f"U[100, {a.max_output}], seed 0, temperature 0.6, EOS ignored; {a.model} "
+                    f"{a.dtype}, block_size {a.block_size}, max_num_batched_tokens "
+                    f"{a.max_num_batched_tokens}; each run after one untimed run of the same",
+        "order": "A, B, then B, A, ... (alternating by round)",
+        "a": {"label": a.label_a, "tokens_per_sec": tps["a"], "median": statistics.median(tps["a"])},
+        "b": {"label": a.label_b, "tokens_per_sec": tps["b"], "median": statistics.median(tps["b"])},
+        "b_over_a_per_round": [round(x, 4) for x in paired],
+        "b_over_a_paired_median": round(statistics.median(paired), 4),
+        "runs": runs}
+    if a.device == "cuda":
+        import torch
+        summary["gpu"] = torch.cuda.get_device_name(0)
+    print(f"{a.label_a} median {summary['a']['median']:,.0f} tok/s, {a.label_b} median "
+          f"{summary['b']['median']:,.0f} tok/s; B/A paired median "
+          f"{summary['b_over_a_paired_median']:.4f} (per round {summary['b_over_a_per_round']})")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
