@@ -18,7 +18,8 @@ from minipaged import LLM, BeamSearchParams, EngineConfig, SamplingParams
 from minipaged.swap.block_manager import SwapBlockManager
 from minipaged.worker.kv_cache import copy_blocks
 from minipaged.worker.swap import allocate_cpu_cache, swap_in_blocks, swap_out_blocks
-from minipaged.engine.sequence import Sequence, SequenceGroup
+from minipaged.engine.sequence import Sequence
+from minipaged.groups.group import SequenceGroup
 
 
 @pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])

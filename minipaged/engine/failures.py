@@ -24,7 +24,8 @@ import torch
 
 from minipaged.engine.output import CompletionOutput, OutputProcessor, RequestOutput
 from minipaged.engine.scheduler import Scheduler
-from minipaged.engine.sequence import Sequence, SequenceGroup
+from minipaged.engine.sequence import Sequence
+from minipaged.groups.group import SequenceGroup
 from minipaged.sampling import SamplerOutput
 
 Row = TypeVar("Row")

@@ -1,35 +1,24 @@
 """`LLMEngine`: add requests, step, collect outputs. The loop every front end drives.
 
-One `step()` is the whole life cycle of lesson 03:
+One `step()` is the whole life cycle of lesson 03, in public phases (lesson 02b calls them one
+by one; the step loop of engine/step_loop.py calls them in order):
 
-    scheduler.schedule()        which sequences run, how many tokens each, who is preempted
-    model_runner.execute(...)   flatten, forward, last-token logits
-    sampler(...)                one next token per sequence that reached its last token
-    _process(...)               append tokens, check stop conditions (output.py), free finished
-                                sequences' blocks
-    trace.append(StepRecord)    what happened, for the lessons' plots
-
-Requests with several sequences (lesson 06) add two things around the sampler (groups.py): a
-group's prompt is forked into its `n` samples when it samples its first token, and a beam search
-steps once every live beam has its logits. Swap preemption copies blocks to and from the CPU
-pool before the forward. None of it costs anything while no such request is in flight.
+    schedule()            which sequences run, how many tokens each, who is preempted
+    execute_model(sched)  flatten, forward, last-token logits (worker/model_runner.py)
+    update_computed()     the step's K/V are in the cache
+    sample_and_process()  one next token per sequence that reached its last token; append it,
+                          check stop conditions (output.py), free finished sequences' blocks
+    finish_step()         a StepRecord for the lessons' plots; the step's outputs
 
 A request is checked before it is queued (processor.py), and a request that raises while it is
-stepped (sampling, detokenizing, a stop check, its beam step) fails alone: `fail_request` ends it with
-finish_reason "error" and frees its blocks, and the step goes on for the others (failures.py).
+stepped fails alone: `fail_request` ends it with finish_reason "error" and frees its blocks, and
+the step goes on for the others (failures.py).
 
-How a step runs is chosen once, when the engine is built: a *step loop* (engine/step_loop.py)
-owns `step()` and `has_unfinished_requests()` and calls the engine's public phases in order:
-
-    schedule()  ->  execute_model()  ->  update_computed()  ->  sample_and_process()  ->  finish_step()
-
-The synchronous loop (`SyncStepLoop`) is the one above. Async scheduling (async_sched/) plans
-step t+1 while the GPU runs step t, and speculative decoding (spec_decode/) verifies proposals;
-both are loops built from the same phases. The GPU's fast paths are chosen once too
-(`EngineConfig.resolve`): the worker (`worker/`) picks its input builder and CUDA graphs, the
-model its fused layers. With `enable_lora` the linear layers get adapter slots when the engine
-is built and the runner maps each step's tokens to them (minipaged/lora/). `LLM` (llm.py) loops
-`step()` for offline batches; the server loops it in the background.
+Everything a later lesson adds is attached once, when the engine is built (engine/build.py),
+through a named seam, and costs nothing while it is off: another step loop (step_loop.py),
+request extensions called once per batch (extensions.py), the scheduler's and block manager's
+policies, runner wrappers. `LLM` (llm.py) loops `step()` for offline batches; the server loops
+it in the background.
 """
 from __future__ import annotations
 
@@ -43,30 +32,25 @@ import torch
 from minipaged.attention import get_attention_backend
 from minipaged.config import EngineConfig
 from minipaged.engine import failures, processor
-from minipaged.engine.build import build_block_manager, build_scheduler
-from minipaged.engine.extensions import Extensions
+from minipaged.engine.build import (build_extensions, build_kv_block_manager, build_model,
+                                    build_runner, build_scheduler)
 from minipaged.engine.output import OutputProcessor, RequestOutput
 from minipaged.engine.processor import RequestError
 from minipaged.engine.scheduler import Scheduler, SchedulerOutput
-from minipaged.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from minipaged.engine.sequence import Sequence, SequenceStatus
+from minipaged.groups.group import SequenceGroup
 from minipaged.engine.step_loop import StepLoop, SyncStepLoop
 from minipaged.engine.trace import StepRecord, StepTimes, step_record
 from minipaged.groups.beam_search import BeamSearchParams
-from minipaged.groups.extension import GroupExtension
-from minipaged.lora.extension import LoRAExtension
 from minipaged.lora.request import LoRARequest
 from minipaged.models.config import ModelConfig, parse_dtype
-from minipaged.models.loader import load_model, load_tokenizer, resolve_model
+from minipaged.models.loader import load_tokenizer, resolve_model
 from minipaged.sampling import SamplerOutput, SamplingParams, Sampler
 from minipaged.sampling.kernel_sampler import KernelSampler
-from minipaged.structured_output.extension import StructuredOutputExtension
-from minipaged.structured_output.manager import StructuredOutputManager
-from minipaged.worker import make_model_runner
 from minipaged.worker.cpu_threads import apply_cpu_threads
 from minipaged.worker.kv_cache import (allocate_kv_cache, block_bytes, determine_num_blocks,
                                        kv_cache_torch_dtype)
-from minipaged.worker.swap import (allocate_cpu_cache, determine_num_cpu_blocks, swap_in_blocks,
-                                   swap_out_blocks)
+from minipaged.worker.swap import swap_in_blocks, swap_out_blocks
 
 logger = logging.getLogger("minipaged.engine")
 
@@ -81,23 +65,11 @@ class LLMEngine:
         self.dtype = parse_dtype(config.dtype)
         self.backend = get_attention_backend(config.attention_backend, config.device)
         torch.manual_seed(config.seed)
-        tp = None
-        if config.tensor_parallel_size > 1:  # N processes, 1/N of every layer each (lesson 09)
-            from minipaged.distributed.launch import start_tensor_parallel
-            tp = start_tensor_parallel(config, self.source)  # the workers load their shards too
-        self.model, self.model_config = load_model(self.source, self.dtype, self.device, self.backend,
-                                                   max_positions=config.max_model_len, seed=config.seed,
-                                                   fused_ops=config.fused_ops, tp=tp,
-                                                   quantization=config.quantization)
-        self.kv_config = self.model.config  # the KV heads this process holds: 1/N of them with TP
-        self.lora_manager = None
-        if config.enable_lora:  # adapter slots around the linear layers (minipaged/lora/)
-            from minipaged.lora.manager import LoRAModelManager
-            self.lora_manager = LoRAModelManager(
-                self.model, self.model_config, max_loras=config.max_loras,
-                max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras,
-                max_num_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
-                device=self.device, dtype=self.dtype, live_lora_ids=self._live_lora_ids)
+        # The model, with the capabilities that change it (engine/build.py): 1/N of every layer
+        # with tensor parallelism (lesson 09), fp8 layers, adapter slots (lesson 11).
+        self.model, self.model_config, self.lora_manager = build_model(
+            config, self.source, self.dtype, self.device, self.backend, self._live_lora_ids)
+        self.kv_config = self.model.config  # the KV heads this process holds (1/N with TP)
         self.tokenizer = load_tokenizer(self.source, config.tokenizer)
         self.eos_token_ids = self._eos_ids()
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
@@ -110,32 +82,20 @@ class LLMEngine:
         self.kv_cache = allocate_kv_cache(self.kv_config, self.num_blocks, config.block_size,
                                           self.kv_dtype, self.device,
                                           head_major=config.kv_head_major)
-        # Swap preemption: a CPU pool of blocks (lesson 06, worker/swap.py).
         self.block_bytes = block_bytes(self.kv_config, config.block_size, self.kv_dtype)
-        num_cpu_blocks = determine_num_cpu_blocks(config, self.block_bytes, self.num_blocks)
-        self.cpu_cache = allocate_cpu_cache(self.kv_cache, num_cpu_blocks)
-        self.block_manager = build_block_manager(  # with the capabilities on (engine/build.py)
-            self.num_blocks, config.block_size, config.enable_prefix_caching,
-            enable_lora=config.enable_lora, num_cpu_blocks=num_cpu_blocks,
-            preemption_mode=config.preemption_mode)
+        self.block_manager, self.cpu_cache = build_kv_block_manager(  # (+ swap's CPU pool)
+            config, self.num_blocks, self.kv_cache, self.block_bytes)
         loop_cls = step_loop_class(config)  # the step loop, chosen once (engine/step_loop.py)
         self.scheduler = self.make_scheduler(loop_cls.scheduler_cls,
                                              **loop_cls.scheduler_kwargs(config))
-        self.model_runner = make_model_runner(config, self.model, self.kv_cache, self.backend)
-        if self.lora_manager is not None:  # maps each step's tokens to adapter slots first
-            self.model_runner = self.lora_manager.wrap_runner(self.model_runner)
+        self.model_runner = build_runner(config, self.model, self.kv_cache, self.backend,
+                                         self.lora_manager)
         sampler_cls = KernelSampler if config.sampler_kernel else Sampler  # (CUDA: kernels)
         self.sampler = sampler_cls(seed=config.seed, eos_token_ids=self.eos_token_ids)
         self.requests: dict[str, Sequence] = {}  # unfinished requests: their first sequence
         self.groups: dict[str, SequenceGroup] = {}  # ... those with n > 1 or a beam search
-        # Request extensions (engine/extensions.py), each idle while no request uses it: grammar
-        # masks (lesson 12), LoRA adapters (lesson 11), n > 1 and beam search (lesson 06).
-        self.structured_output = StructuredOutputManager(
-            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids, config.max_num_seqs)
-        structured = StructuredOutputExtension(self.structured_output)
-        self.grammar_compiles = structured.compiles
-        lora = [] if self.lora_manager is None else [LoRAExtension(self.lora_manager)]
-        self.ext = Extensions([structured, *lora, GroupExtension(self)])
+        self.ext, structured = build_extensions(self)  # request extensions (extensions.py)
+        self.structured_output, self.grammar_compiles = structured.manager, structured.compiles
         # One StepRecord per step; a bounded deque where the config caps it (a server).
         self.trace: list[StepRecord] | deque[StepRecord] = (
             [] if config.max_trace_len is None else deque(maxlen=config.max_trace_len))

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Optional
 
 from tokenizers.decoders import DecodeStream
 
-from minipaged.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from minipaged.engine.sequence import Sequence, SequenceStatus
+from minipaged.groups.group import SequenceGroup
 from minipaged.lora.request import LoRARequest
 from minipaged.sampling import Logprob
 

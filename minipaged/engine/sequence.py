@@ -13,8 +13,8 @@ the scheduler gives every sequence `len(token_ids) - num_computed_tokens` more t
 which is a whole prompt, a prefill chunk, or the single newest token of a decode.
 
 A request that asks for several sequences (`SamplingParams(n=4)`, or a beam search) is a
-`SequenceGroup` (vLLM's name): its prompt is prefilled once by one sequence, which is then
-*forked*; the children share the prompt's KV blocks (lesson 06).
+`SequenceGroup` (vLLM's name, groups/group.py): its prompt is prefilled once by one sequence,
+which is then *forked*; the children share the prompt's KV blocks (lesson 06).
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ class Sequence:
     finished_time: Optional[float] = None
     generator: Optional["torch.Generator"] = None  # per-request RNG when SamplingParams.seed is set
     # Parallel sampling and beam search (lesson 06); None / 0 for a plain single-sequence request.
-    group: Optional["SequenceGroup"] = field(default=None, repr=False)
+    group: Optional[object] = field(default=None, repr=False)  # its groups.group.SequenceGroup
     index: int = 0  # which of the group's samples (its CompletionOutput.index); beams: a counter
     recompute_until: int = 0  # tokens whose K/V a recompute preemption threw away (for the trace)
     lora_request: Optional["LoRARequest"] = None  # the adapter it runs with (minipaged/lora/)
@@ -149,38 +149,3 @@ class Sequence:
     def __repr__(self) -> str:  # short, for the lessons
         return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, {self.status.value}, "
                 f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")
-
-
-@dataclass(eq=False)
-class SequenceGroup:
-    """The sequences of one request that share its prompt: `n` parallel samples, or the beams of a
-    beam search (vLLM's `SequenceGroup`).
-
-    Life of a group: one sequence (`seqs[0]`) prefills the prompt, like any request. When it
-    reaches its first sample the engine forks it: `size - 1` children get the same block table
-    (ref counts +1, `BlockManager.fork`), and each samples its own first token. The first write
-    into the shared, partly filled last block copies it (copy-on-write); the full prompt blocks
-    stay shared until the last sample finishes. Beams fork again at every step (`beam_search.py`).
-
-    The scheduler reserves `size` seats when the prompt is admitted. Forked samples are then
-    independent sequences (preempted one at a time); beams are gang-scheduled: preempted,
-    swapped and readmitted together, since a beam-search step needs all of them.
-    """
-
-    request_id: str
-    size: int  # n samples, or the beam width
-    seqs: list[Sequence]  # samples in index order; for a beam search, the live beams, best first
-    beam: Optional[object] = None  # a beam search's state (groups/beam_search.BeamSearchState)
-    forked: bool = False  # the prompt's sequence has been forked into `size` sequences
-    num_created: int = 1  # sequences created so far (beams get increasing indices)
-
-    @property
-    def lockstep(self) -> bool:
-        """Beams must all reach a sample before any of them can move on."""
-        return self.beam is not None
-
-    @property
-    def is_finished(self) -> bool:
-        if self.beam is not None:
-            return self.beam.done
-        return all(s.is_finished for s in self.seqs)

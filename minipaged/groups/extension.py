@@ -21,8 +21,9 @@ import torch
 
 from minipaged.engine.extensions import RequestExtension
 from minipaged.engine.processor import RequestError
-from minipaged.engine.sequence import Sequence, SequenceGroup
+from minipaged.engine.sequence import Sequence
 from minipaged.groups.beam_search import BeamSearchParams, BeamSearchState
+from minipaged.groups.group import SequenceGroup
 from minipaged.groups.sampling import beam_step, drop_beam_logits, split_groups
 from minipaged.sampling import SamplingParams
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from minipaged.engine.scheduler import Scheduler
-from minipaged.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from minipaged.engine.sequence import Sequence, SequenceStatus
+from minipaged.groups.group import SequenceGroup
 from minipaged.utils import to_device
 
 

@@ -21,7 +21,8 @@ from typing import Optional
 from minipaged.engine.block_allocator import Block
 from minipaged.engine.block_manager import BlockManager
 from minipaged.engine.scheduler import ScheduledSeq, SchedulerOutput
-from minipaged.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from minipaged.engine.sequence import Sequence, SequenceStatus
+from minipaged.groups.group import SequenceGroup
 
 Plan = tuple[Sequence, list[Block], int]  # (seq, its cached prefix blocks, tokens to allocate)
 
