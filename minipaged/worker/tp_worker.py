@@ -102,7 +102,7 @@ def run_worker(config, source, tp: TPGroup) -> None:
             if header[0] != STEP:
                 raise RuntimeError(f"unexpected message {header[0]} from the driver")
             step = recv_step(tp, header, device, config.block_size)
-            # the driver's order: swap out, swap in (the engine, before the step), copy (CoW)
+            # the driver's order: swap out, swap in (swap/runner.py), copy (CoW)
             swap_out_blocks(kv_cache, cpu_cache, step.blocks_to_swap_out)
             swap_in_blocks(cpu_cache, kv_cache, step.blocks_to_swap_in)
             copy_blocks(runner.kv_cache, step.blocks_to_copy)
