@@ -43,7 +43,7 @@ def test_stories260k_fp32_parity_on_gpu(enforce_eager):
     llm = LLM("stories260K", device="cuda", block_size=16, max_num_seqs=64,
               enforce_eager=enforce_eager, gpu_memory_utilization=0.05)
     assert llm.engine.backend.name == "triton"
-    assert (llm.engine.model_runner.graph_runner is None) == enforce_eager
+    assert (llm.engine.model_runner.cuda_graphs.get("decode") is None) == enforce_eager
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
                         use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs]
@@ -189,12 +189,12 @@ def test_cuda_engine_freezes_the_heap_and_is_still_freed_when_dropped():
     frozen = gc.get_freeze_count()
     llm = LLM("stories260K", device="cuda", block_size=16, max_num_seqs=16,
               gpu_memory_utilization=0.05)
-    assert llm.engine.model_runner.graph_runner is not None
+    assert llm.engine.model_runner.cuda_graphs.get("decode") is not None
     assert gc.get_freeze_count() > frozen
     llm.generate(["Once upon a time"] * 3, SamplingParams(max_tokens=20, ignore_eos=True),
                  use_tqdm=False)
     refs = [weakref.ref(o) for o in (llm.engine, llm.engine.model, llm.engine.model_runner,
-                                     llm.engine.model_runner.graph_runner)]
+                                     llm.engine.model_runner.cuda_graphs.get("decode"))]
     kv = weakref.ref(llm.engine.kv_cache)
     gc.collect()  # what generate left behind; frozen objects are not collected
     try:
@@ -266,7 +266,7 @@ def test_stories260k_fp8_weights_with_cuda_graphs():
     for eager in (True, False):
         llm = LLM("stories260K", device="cuda", dtype="bfloat16", quantization="fp8",
                   enforce_eager=eager, gpu_memory_utilization=0.05)
-        assert (llm.engine.model_runner.graph_runner is None) == eager
+        assert (llm.engine.model_runner.cuda_graphs.get("decode") is None) == eager
         layer = llm.engine.model.model.layers[0]
         assert type(layer.self_attn.qkv_proj) is ScaledMMFp8Linear
         assert type(layer.mlp.down_proj) is Fp8Linear
@@ -303,16 +303,20 @@ def test_lora_adapters_on_gpu_equal_cpu_reference(tmp_path, enforce_eager):
         llm = LLM("stories260K", device=device, enable_lora=True, max_loras=2, max_lora_rank=16,
                   num_blocks=256, max_num_seqs=32, enforce_eager=enforce_eager)
         if device == "cuda":
-            assert (llm.engine.model_runner.graph_runner is None) == enforce_eager
+            assert (llm.engine.model_runner.cuda_graphs.get("decode") is None) == enforce_eager
             assert type(llm.engine.lora_manager.punica).__name__ == "TritonPunicaWrapper"
+        replays = []  # the decode graph set of each replay: "decode" (LoRA kernels), "lora-base"
+        if device == "cuda" and not enforce_eager:
+            for variant in ("decode", "lora-base"):
+                graphs = llm.engine.model_runner.cuda_graphs.get(variant)
+                graphs.run = lambda *a, v=variant, run=graphs.run: replays.append(v) or run(*a)
         res = llm.generate(prompts, sp, use_tqdm=False, lora_request=per_prompt)
         outs[device] = [o.outputs[0].token_ids for o in res]
-        runner = llm.engine.model_runner
         if device == "cuda" and not enforce_eager:  # the last decode step had adapters
-            assert runner.runner.graph_runner is runner.lora_graphs
+            assert replays[-1] == "decode"
         base = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], sp, use_tqdm=False)]
         if device == "cuda" and not enforce_eager:  # no adapter: the graphs without LoRA kernels
-            assert runner.runner.graph_runner is runner.base_graphs is not None
+            assert replays[-1] == "lora-base"
         assert base[3] == outs[device][3]  # the base model's row in the mixed batch
         assert all(base[i] != outs[device][i] for i in range(3))  # the adapters change it
         del llm
@@ -365,11 +369,12 @@ def test_spec_decode_ngram_greedy_parity_on_gpu(k):
               speculative_config={"method": "ngram", "num_speculative_tokens": k,
                                   "prompt_lookup_max": 3})
     runner = llm.engine.model_runner
-    assert runner.graph_runner is not None and runner.verify_graph_runner.graphs
+    verify_graphs = runner.cuda_graphs.get("verify")
+    assert runner.cuda_graphs.get("decode") is not None and verify_graphs.graphs
     assert llm.config.async_scheduling is False  # turned off by speculation
     replays = []
-    run = runner.verify_graph_runner.run
-    runner.verify_graph_runner.run = lambda *a: replays.append(1) or run(*a)
+    run = verify_graphs.run
+    verify_graphs.run = lambda *a: replays.append(1) or run(*a)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == _greedy_hf(hf, prompts, 48)
@@ -388,7 +393,7 @@ def test_spec_decode_verify_graphs_equal_eager_fp32_qwen3(tmp_path):
         llm = LLM(str(tmp_path / "q3"), dtype="float32", device="cuda", max_num_seqs=32,
                   enforce_eager=eager, num_blocks=512,
                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-        assert (llm.engine.model_runner.verify_graph_runner is None) == eager
+        assert (llm.engine.model_runner.cuda_graphs.get("verify") is None) == eager
         res.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
         del llm
     assert res[0] == res[1]

@@ -174,7 +174,7 @@ def test_verify_graph_buffers_front_padded_equal_hf(stories_hf):
         eng.model_runner = GPUModelRunner(eng.model, eng.kv_cache, eng.backend, 8, max_num_seqs=4,
                                           max_model_len=64, cuda_graphs=False)
     eng.step_loop.install_verify_graphs(eng, capture=False)
-    graphs = eng.model_runner.verify_graph_runner
+    graphs = eng.model_runner.cuda_graphs.get("verify")
     ran = []
     run = graphs.run
     graphs.run = lambda *a: ran.append(list(a[2].query_lens)) or run(*a)

@@ -36,6 +36,7 @@ from minipaged.models.loader import load_model
 from minipaged.structured_output.extension import StructuredOutputExtension
 from minipaged.structured_output.manager import StructuredOutputManager
 from minipaged.swap.block_manager import SwapBlockManager
+from minipaged.swap.runner import SwapModelRunner
 from minipaged.swap.scheduler import SwapPreemption
 from minipaged.worker import make_model_runner
 from minipaged.worker.swap import allocate_cpu_cache, determine_num_cpu_blocks
@@ -79,11 +80,17 @@ def build_kv_block_manager(config, num_blocks: int, kv_cache: torch.Tensor, bloc
     return block_manager, allocate_cpu_cache(kv_cache, num_cpu_blocks)
 
 
-def build_runner(config, model, kv_cache: torch.Tensor, backend, lora_manager):
-    """The model runner the config asks for (worker/__init__.py), wrapped by the LoRA manager
-    (each step's tokens mapped to adapter slots first) when adapters are on."""
+def build_runner(config, model, kv_cache: torch.Tensor, backend, lora_manager,
+                 cpu_cache: torch.Tensor | None = None):
+    """The model runner the config asks for (worker/__init__.py), wrapped (worker/wrapper.py)
+    by the LoRA manager (each step's tokens mapped to adapter slots first) when adapters are
+    on, and outermost by swap preemption (the swapped blocks moved first: swap/runner.py)."""
     runner = make_model_runner(config, model, kv_cache, backend)
-    return runner if lora_manager is None else lora_manager.wrap_runner(runner)
+    if lora_manager is not None:
+        runner = lora_manager.wrap_runner(runner)
+    if config.preemption_mode == "swap":
+        runner = SwapModelRunner(runner, cpu_cache)
+    return runner
 
 
 def build_extensions(engine) -> tuple[Extensions, StructuredOutputExtension]:

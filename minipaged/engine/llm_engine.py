@@ -50,7 +50,6 @@ from minipaged.sampling.kernel_sampler import KernelSampler
 from minipaged.worker.cpu_threads import apply_cpu_threads
 from minipaged.worker.kv_cache import (allocate_kv_cache, block_bytes, determine_num_blocks,
                                        kv_cache_torch_dtype)
-from minipaged.worker.swap import swap_in_blocks, swap_out_blocks
 
 logger = logging.getLogger("minipaged.engine")
 
@@ -90,7 +89,7 @@ class LLMEngine:
         self.scheduler = self.make_scheduler(loop_cls.scheduler_cls,
                                              **loop_cls.scheduler_kwargs(config))
         self.model_runner = build_runner(config, self.model, self.kv_cache, self.backend,
-                                         self.lora_manager)
+                                         self.lora_manager, self.cpu_cache)
         sampler_cls = KernelSampler if config.sampler_kernel else Sampler  # (CUDA: kernels)
         self.sampler = sampler_cls(seed=config.seed, eos_token_ids=self.eos_token_ids)
         self.groups: dict[str, SequenceGroup] = {}  # ... those with n > 1 or a beam search
@@ -211,15 +210,15 @@ class LLMEngine:
         return self.step_loop.step()
 
     def schedule(self) -> SchedulerOutput:
-        """Phase 1, plan the step; swapped blocks move before the forward (freed GPU blocks
-        may be rewritten by this very step)."""
+        """Phase 1, plan the step. Swapped blocks move when the runner executes it, before the
+        forward (swap/runner.py), or here for a step with no forward to run."""
         for hook in self.ext.before_plan:  # e.g. held requests whose wait is over join the queue
             hook(self)
         sched = self.scheduler.schedule()
         for hook in self.ext.after_plan:  # e.g. fail what cannot run after all
             hook(self, sched)
-        swap_out_blocks(self.kv_cache, self.cpu_cache, sched.blocks_to_swap_out)
-        swap_in_blocks(self.cpu_cache, self.kv_cache, sched.blocks_to_swap_in)
+        if sched.is_empty and (sched.blocks_to_swap_out or sched.blocks_to_swap_in):
+            self.model_runner.swap(sched)  # (only swap preemption plans these: its runner)
         return sched
 
     def execute_model(self, sched: SchedulerOutput, *args) -> torch.Tensor:

@@ -10,10 +10,11 @@ FRONT of its q rows. The attention kernel places query row i at position
 and their outputs are dropped. Rows of padding sequences have context length 0, as in the
 decode graphs.
 
-`GPUModelRunner.execute` replays it when `can_run` says the step fits; everything else (longer
-prefill chunks, more sequences than captured) runs eagerly. `capture=False` keeps the same
-padded static buffers but runs them eagerly: what the CPU tests check under the Triton
-interpreter.
+The step loop registers it in the GPU runner's graph registry as "verify"
+(worker/cuda_graphs.py); `GPUModelRunner.forward` replays it when `can_run` says the step
+fits; everything else (longer prefill chunks, more sequences than captured) runs eagerly.
+`capture=False` keeps the same padded static buffers but runs them eagerly: what the CPU tests
+check under the Triton interpreter.
 """
 from __future__ import annotations
 

@@ -70,15 +70,7 @@ class DraftModelProposer:
         """Run the target's step on the draft: its cache gets the same positions."""
         copy_blocks(self.kv_cache, sched.blocks_to_copy)
         input_ids, positions, metadata, _ = self.runner.prepare_inputs(sched)
-        self._forward(input_ids, positions, metadata)
-
-    def _forward(self, input_ids, positions, metadata) -> torch.Tensor:
-        """The draft's forward; a decode-only step replays its CUDA graphs where it has them."""
-        graphs = getattr(self.runner, "graph_runner", None)
-        decode = metadata.max_query_len == 1
-        if graphs is not None and decode and graphs.can_run(metadata.num_seqs):
-            return graphs.run(input_ids, positions, metadata)  # (num_seqs, hidden)
-        return self.runner.forward(input_ids, positions, metadata)  # (num_tokens, hidden)
+        self.runner.forward(input_ids, positions, metadata)  # decode graphs where it has them
 
     @torch.inference_mode()
     def propose(self, entries) -> None:
@@ -92,7 +84,7 @@ class DraftModelProposer:
                                              [starts[i] + j for i in rows])
             ids = to_device([tokens[i] for i in rows], self.device, torch.int64)
             pos = to_device([starts[i] + j for i in rows], self.device, torch.int64)
-            hidden = self._forward(ids, pos, metadata)  # (rows, hidden)
+            hidden = self.runner.forward(ids, pos, metadata)  # (rows, hidden)
             guesses = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
             for i, t in zip(rows, guesses):
                 entries[i].spec_token_ids[j] = t

@@ -93,16 +93,18 @@ class SpecDecodeStepLoop(StepLoop):
         check_request(request_id, params)  # n > 1 and beam search do not speculate yet
 
     def install_verify_graphs(self, engine, capture: bool) -> None:
-        """Give the GPU model runner a `VerifyGraphRunner` (spec_decode/cuda_graphs.py);
-        `capture=False`: its padded static buffers run eagerly (the CPU tests)."""
+        """Register a `VerifyGraphRunner` (spec_decode/cuda_graphs.py) in the GPU model
+        runner's graph registry; `capture=False`: its padded static buffers run eagerly (the CPU
+        tests)."""
         from minipaged.spec_decode.cuda_graphs import VerifyGraphRunner
+        from minipaged.worker.cuda_graphs import VERIFY
         cfg, runner = engine.config, engine.model_runner
         graphs = VerifyGraphRunner(runner.model, runner.kv_cache, runner.backend,
                                    query_len=self.k + 1, max_num_seqs=cfg.max_num_seqs,
                                    max_model_len=cfg.max_model_len, block_size=cfg.block_size,
                                    device=runner.device)
         graphs.capture(graphs=capture)
-        runner.verify_graph_runner = graphs
+        runner.cuda_graphs.register(VERIFY, graphs)
 
     # --- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

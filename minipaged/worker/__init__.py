@@ -7,7 +7,9 @@
     kv_cache.py           the KV cache tensor: sizing, allocation, copy-on-write
     swap.py               swap preemption's CPU block pool and its copies (lesson 06)
     gpu_model_runner.py   the same step built for a GPU: ordered, packed, padded; CUDA graphs
-    cuda_graphs.py        decode steps recorded once per batch size and replayed
+    cuda_graphs.py        decode steps recorded once per batch size and replayed; the runner's
+                          registry of graph sets (decode, verify, LoRA's base)
+    wrapper.py            RunnerWrapper: a runner around a runner, delegating explicitly
     tp_worker.py          tensor parallelism: the driver's runner that broadcasts each step, and
                           the loop a worker process runs (lesson 09)
 """

@@ -11,6 +11,12 @@ read), computed and ignored. Prefill and mixed steps have shapes that change eve
 eagerly. Only backends whose `forward` never reads device tensors back on the host (the Triton
 backend) can be captured; the split-KV factor is fixed per captured batch size, chosen for
 `max_model_len`, so every replay launches the same grid.
+
+`CUDAGraphs` is a runner's registry of graph sets, keyed by what varies between them: the
+variant (what was captured), the query length per sequence (1 for a decode set, k + 1 for a
+verify set) and, inside each set, the batch size. `find` is the one dispatch: the GPU runner's
+`forward` (gpu_model_runner.py) asks it on every step, on one device and on every
+tensor-parallel rank (tp_worker.py).
 """
 from __future__ import annotations
 
@@ -81,8 +87,9 @@ class CUDAGraphRunner:
             self.graphs[bs], self.outputs[bs], self.metadata[bs] = graph, out, meta
         torch.cuda.synchronize(self.device)
 
-    def can_run(self, num_seqs: int) -> bool:
-        return num_seqs <= self.max_bs
+    def can_run(self, metadata: AttentionMetadata) -> bool:
+        """A decode step (one token per sequence) of at most max_bs sequences."""
+        return metadata.max_query_len == 1 and metadata.num_seqs <= self.max_bs
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -100,3 +107,30 @@ class CUDAGraphRunner:
         self.block_tables[:b, :width].copy_(metadata.block_tables, non_blocking=True)
         self.graphs[bs].replay()
         return self.outputs[bs][:b]
+
+
+DECODE = "decode"  # the runner's decode set (gpu_model_runner.py), with whatever the model holds
+VERIFY = "verify"  # queries of up to k + 1 tokens each (spec_decode/cuda_graphs.py)
+LORA_BASE = "lora-base"  # decode captured without the LoRA kernels (lora/runner.py)
+
+
+class CUDAGraphs:
+    """A runner's graph sets by variant; each set replays the batch sizes it captured."""
+
+    def __init__(self):
+        self.sets: dict = {}  # variant -> CUDAGraphRunner (q = 1) or VerifyGraphRunner (k + 1)
+
+    def register(self, variant: str, graphs) -> None:
+        """Add a captured set (`can_run(metadata)`, `run(input_ids, positions, metadata)`)."""
+        self.sets[variant] = graphs
+
+    def get(self, variant: str):
+        """The set registered as `variant`, or None."""
+        return self.sets.get(variant)
+
+    def find(self, metadata: AttentionMetadata, decode_variant: str = DECODE):
+        """The set that replays this step, or None (it runs eagerly): one token per sequence
+        replays `decode_variant`'s set, 2..k + 1 tokens each the verify set, each only up to its
+        largest captured batch."""
+        graphs = self.sets.get(decode_variant if metadata.max_query_len == 1 else VERIFY)
+        return graphs if graphs is not None and graphs.can_run(metadata) else None

@@ -17,7 +17,8 @@ four differences that only matter on a GPU:
   tensor, gathered on the device.
 
 Decode steps replay CUDA graphs (cuda_graphs.py) when the config asks for them; so do
-speculative verify steps (queries of up to k + 1 tokens, spec_decode/cuda_graphs.py). This file
+speculative verify steps (queries of up to k + 1 tokens, spec_decode/cuda_graphs.py): `forward`
+asks the runner's registry (`CUDAGraphs`) for a set that fits the step. This file
 also holds the engine's two CUDA-only set-up helpers: the activation profile that sizes the KV
 cache, and the garbage-collector freeze.
 """
@@ -32,6 +33,7 @@ from minipaged.attention import AttentionBackend, AttentionMetadata
 from minipaged.attention.metadata import BLOCK_TABLE_WIDTH_MULTIPLE
 from minipaged.engine.scheduler import SchedulerOutput
 from minipaged.utils import cdiv, to_device
+from minipaged.worker.cuda_graphs import DECODE, CUDAGraphRunner, CUDAGraphs
 from minipaged.worker.kv_cache import copy_blocks
 from minipaged.worker.model_runner import ModelRunner
 
@@ -52,14 +54,13 @@ class GPUModelRunner(ModelRunner):
     def __init__(self, model, kv_cache: torch.Tensor, backend: AttentionBackend, block_size: int,
                  *, max_num_seqs: int, max_model_len: int, cuda_graphs: bool):
         super().__init__(model, kv_cache, backend, block_size)
-        self.graph_runner = None
-        self.verify_graph_runner = None  # speculative decoding's (spec_decode/cuda_graphs.py)
+        self.cuda_graphs = CUDAGraphs()  # spec_decode/ and lora/ register their sets here too
         if cuda_graphs:
-            from minipaged.worker.cuda_graphs import CUDAGraphRunner
-            self.graph_runner = CUDAGraphRunner(model, kv_cache, backend, max_num_seqs=max_num_seqs,
-                                                max_model_len=max_model_len,
-                                                block_size=block_size, device=self.device)
-            self.graph_runner.capture()
+            decode = CUDAGraphRunner(model, kv_cache, backend, max_num_seqs=max_num_seqs,
+                                     max_model_len=max_model_len, block_size=block_size,
+                                     device=self.device)
+            decode.capture()
+            self.cuda_graphs.register(DECODE, decode)
 
     def step_order(self, sched: SchedulerOutput) -> list:
         """Decodes first, then prefills, each longest context first (see the docstring)."""
@@ -136,18 +137,23 @@ class GPUModelRunner(ModelRunner):
         return ids, pos_dev, metadata, sample_rows
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, pending=None) -> torch.Tensor:
-        """Queue one step; returns logits (num_sampling_seqs, vocab) without waiting for them."""
+    def execute(self, sched: SchedulerOutput, pending=None,
+                decode_variant: str = DECODE) -> torch.Tensor:
+        """Queue one step; returns logits (num_sampling_seqs, vocab) without waiting for them.
+        `decode_variant`: which decode graphs a decode step replays (lora/runner.py picks)."""
         copy_blocks(self.kv_cache, sched.blocks_to_copy)
         input_ids, positions, metadata, sample_rows = self.prepare_inputs(sched, pending)
-        graphs = self.graph_runner
-        if graphs is not None and metadata.max_query_len == 1 and graphs.can_run(metadata.num_seqs):
-            hidden = graphs.run(input_ids, positions, metadata)  # decode step: replay a graph
-        elif self.verify_graph_runner is not None and self.verify_graph_runner.can_run(metadata):
-            hidden = self.verify_graph_runner.run(input_ids, positions, metadata)  # k + 1 each
-        else:
-            hidden = self.forward(input_ids, positions, metadata)
+        hidden = self.forward(input_ids, positions, metadata, decode_variant)
         return self.compute_logits(hidden, sample_rows)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                metadata: AttentionMetadata, decode_variant: str = DECODE) -> torch.Tensor:
+        """`ModelRunner.forward`, replayed from a CUDA graph where one fits the step (a decode
+        step, or a speculative verify step: cuda_graphs.py); (num_tokens, hidden)."""
+        graphs = self.cuda_graphs.find(metadata, decode_variant)
+        if graphs is not None:
+            return graphs.run(input_ids, positions, metadata)
+        return super().forward(input_ids, positions, metadata)
 
 
 def profile_peak_memory(model, backend, model_config, config, kv_dtype, device) -> int:

@@ -31,6 +31,8 @@ from minipaged.worker.kv_cache import copy_blocks
 
 
 class ModelRunner:
+    cuda_graphs = None  # every step eager; the GPU runner's graph registry (cuda_graphs.py)
+
     def __init__(self, model, kv_cache: torch.Tensor, backend: AttentionBackend, block_size: int):
         self.model = model
         self.kv_cache = kv_cache

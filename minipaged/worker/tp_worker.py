@@ -11,8 +11,8 @@ num_blocks, its 1/N of the KV heads) and its shard of the swap pool, and then wa
 driver says STOP. It never sees a sequence, the scheduler or the block manager.
 
 The runner inside either is the single-device one (`ModelRunner`, or `GPUModelRunner` with its
-CUDA graphs, which every rank captures in the same order), built by `single_device_runner`
-(runners.py).
+CUDA graphs, which every rank captures in the same order and whose `forward` replays them),
+built by `single_device_runner` (runners.py); the driver's wraps it (worker/wrapper.py).
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from minipaged.distributed.step_inputs import (STEP, STOP, StepInputs, broadcast
 from minipaged.worker.kv_cache import copy_blocks
 from minipaged.worker.kv_dtype import raw
 from minipaged.worker.runners import single_device_runner
+from minipaged.worker.wrapper import RunnerWrapper
 from minipaged.worker.swap import (allocate_cpu_cache, determine_num_cpu_blocks, swap_in_blocks,
                                    swap_out_blocks)
 
@@ -36,23 +37,12 @@ def make_driver_runner(config, model, kv_cache, backend) -> "TPDriverRunner":
     return TPDriverRunner(single_device_runner(config, model, kv_cache, backend), tp)
 
 
-def forward(runner, input_ids, positions, metadata) -> torch.Tensor:
-    """The runner's forward, from a CUDA graph where the single-device runner would use one."""
-    graphs = getattr(runner, "graph_runner", None)
-    if graphs is not None and metadata.max_query_len == 1 and graphs.can_run(metadata.num_seqs):
-        return graphs.run(input_ids, positions, metadata)
-    return runner.forward(input_ids, positions, metadata)
-
-
-class TPDriverRunner:
+class TPDriverRunner(RunnerWrapper):
     """The driver's runner: the single-device runner, plus the broadcast of every step."""
 
     def __init__(self, runner, tp: TPGroup):
-        self.runner, self.tp = runner, tp
-        self.kv_cache, self.device = runner.kv_cache, runner.device
-
-    def __getattr__(self, name):  # everything else (prepare_inputs, graph_runner, ...)
-        return getattr(self.runner, name)
+        super().__init__(runner)
+        self.tp = tp
 
     @torch.inference_mode()
     def execute(self, sched, *pending) -> torch.Tensor:
@@ -67,7 +57,7 @@ class TPDriverRunner:
             broadcast_step(self.tp, StepInputs(input_ids, positions, metadata, sample_rows,
                                                sched.blocks_to_copy, sched.blocks_to_swap_out,
                                                sched.blocks_to_swap_in))
-            hidden = forward(r, input_ids, positions, metadata)
+            hidden = r.forward(input_ids, positions, metadata)  # a CUDA graph where one fits
             return r.compute_logits(hidden, sample_rows)
         except RuntimeError as exc:  # a collective failed: was it a worker?
             if workers is None:
@@ -112,9 +102,9 @@ def run_worker(config, source, tp: TPGroup) -> None:
             if header[0] != STEP:
                 raise RuntimeError(f"unexpected message {header[0]} from the driver")
             step = recv_step(tp, header, device, config.block_size)
-            # the driver's order: swap out, swap in (the engine, before the step), copy (CoW)
+            # the driver's order: swap out, swap in (swap/runner.py), copy (CoW)
             swap_out_blocks(kv_cache, cpu_cache, step.blocks_to_swap_out)
             swap_in_blocks(cpu_cache, kv_cache, step.blocks_to_swap_in)
             copy_blocks(runner.kv_cache, step.blocks_to_copy)
-            hidden = forward(runner, step.input_ids, step.positions, step.metadata)
+            hidden = runner.forward(step.input_ids, step.positions, step.metadata)
             runner.compute_logits(hidden, step.sample_rows)  # its words' scores, to the driver
