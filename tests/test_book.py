@@ -141,3 +141,16 @@ def test_pages_load_in_a_headless_browser(site, name):
     if name in ANIMATED:  # the player's script ran and put its first frame in place
         assert re.search(r'<img[^>]+id="_anim_img[^"]*"[^>]+src="data:image/png', dom), \
             "the animation's first frame did not load"
+
+
+def test_every_lesson_links_to_start_here_and_the_glossary():
+    import json
+    for name in LESSONS:
+        first = "".join(json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())["cells"][0]["source"])
+        assert "../docs/start_here.md#glossary" in first, f"{name}: no link to the glossary"
+    text = (ROOT / "docs" / "start_here.md").read_text()
+    for heading in ("## What you need", "## What each part teaches", "## Study time per lesson",
+                    "## Glossary"):
+        assert heading in text
+    for name in LESSONS:
+        assert f"(notebooks/{name}.ipynb)" in text, f"{name} has no study time"
