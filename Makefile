@@ -1,7 +1,7 @@
 # Convenience targets. PY defaults to the checkout's virtual environment.
 PY ?= .venv/bin/python
 
-.PHONY: figures lessons book
+.PHONY: figures lessons check-lessons book
 
 # Regenerate every PNG in figures/: the lessons' experiments (python -m minipaged.lessons.figures, about
 # a minute on 2 CPU cores), the attention-bandwidth and throughput charts from the stored H200
@@ -15,10 +15,16 @@ figures:
 	$(PY) benchmarks/sharing.py
 	$(PY) benchmarks/preemption.py --micro --repeats 5
 
-# Run every lesson notebook headless, as CI does.
+# Execute every lesson in place and store its outputs (one torch thread, seed 0; a few minutes on
+# 2 CPU cores): tools/execute_lessons.py. tests/test_lessons_outputs.py fails on a stale cell.
 lessons:
+	$(PY) tools/execute_lessons.py
+
+# Run every lesson notebook headless from scratch, as CI does (nothing is written back).
+check-lessons:
 	$(PY) -m pytest -q --nbmake notebooks
 
-# The course book: every lesson executed and rendered into a static site in site/ (mkdocs.yml).
+# The course book in site/ (mkdocs.yml): the lessons with their stored outputs, the guides, the
+# architecture and the benchmarks. MINIPAGED_BOOK_EXECUTE=true executes the lessons again instead.
 book:
-	OMP_NUM_THREADS=1 $(PY) -m mkdocs build --clean
+	OMP_NUM_THREADS=1 $(PY) -m mkdocs build --clean --strict

@@ -76,13 +76,15 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int | list[int]) 
 
 def exercise_cell(notebook) -> str:
     """The source of a lesson's graded exercise cell (the one holding `ANSWER = None`), after
-    checking the notebook is committed as nbformat 4.5 with cell ids and without outputs."""
+    checking the notebook is committed as nbformat 4.5 with cell ids, executed by `make lessons`
+    (each code cell's output stored with its source's hash; tests/test_lessons_outputs.py checks
+    the hashes)."""
     import json
     from pathlib import Path
     nb = json.loads(Path(notebook).read_text())
     assert (nb["nbformat"], nb["nbformat_minor"]) == (4, 5)
     assert all("id" in c for c in nb["cells"])
-    assert all(not c.get("outputs") for c in nb["cells"] if c["cell_type"] == "code")
+    assert all("minipaged" in c["metadata"] for c in nb["cells"] if c["cell_type"] == "code")
     (cell,) = [c for c in nb["cells"] if "ANSWER = None" in "".join(c["source"])]
     return "".join(cell["source"])
 

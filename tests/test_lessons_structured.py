@@ -90,7 +90,7 @@ def test_grader_fails_on_wrong_schemas_and_passes_the_solution(llm):
 def test_the_graded_exercise_cell():
     nb = json.loads(NOTEBOOK.read_text())
     assert (nb["nbformat"], nb["nbformat_minor"]) == (4, 5)
-    assert all(not c.get("outputs") for c in nb["cells"] if c["cell_type"] == "code")
+    assert all("minipaged" in c["metadata"] for c in nb["cells"] if c["cell_type"] == "code")
     (cell,) = [c for c in nb["cells"] if "SCHEMA = None" in "".join(c["source"])]
     src = "".join(cell["source"])
     assert "if SCHEMA is not None:" in src and "structured.grade_schema(llm, SCHEMA)" in src
