@@ -1,4 +1,4 @@
-"""The package's shape, checked from its source (README "Reading the code"; nothing imported).
+"""The package's shape, checked from its source (docs/architecture.md; nothing imported).
 
 * no import cycles among minipaged's modules, counting imports inside functions and under
   TYPE_CHECKING: a capability imports the core, never the other way round;

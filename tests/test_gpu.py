@@ -1,4 +1,4 @@
-"""GPU-only checks (skipped without CUDA; run on the GPU machine, see README "GPU").
+"""GPU-only checks (skipped without CUDA; run on the GPU machine, see docs/guides/gpu.md).
 
 Greedy parity with HF on the GPU path: Triton kernels, CUDA-graph decode replays, GPU sampling.
 """

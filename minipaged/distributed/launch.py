@@ -11,7 +11,7 @@ tcp://127.0.0.1:<free port>. Each worker has a pipe back to the driver for two m
 env:// (torchrun, or RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set by hand): every rank runs
 the user's script; in rank 0 `LLM(...)` returns an engine as usual, in the other ranks it runs
 the worker loop and the process exits when the driver stops. The same variables reach across
-machines (README, "Tensor parallelism").
+machines (docs/guides/tensor_parallelism.md).
 
 Failure handling, so that the driver never hangs:
   * a worker that raises sends its traceback through its pipe and exits; the driver's next

@@ -170,4 +170,4 @@ def check_tensor_parallel(config, model_config) -> None:
             raise ValueError(
                 f"tensor_parallel_size={n} needs {n} GPUs (one process per GPU), but this machine "
                 f"has {count}. Use tensor_parallel_size <= {count}, device='cpu' (gloo, any N), or "
-                f"launch the ranks across machines with torchrun (env://, see the README).")
+                f"launch the ranks across machines with torchrun (env://, see docs/guides/tensor_parallelism.md).")

@@ -13,7 +13,7 @@ bitmask per step (lesson 12).
                                    bitmask on a worker thread): the filled rows for the sampling
                                    kernels, which apply them and find the grammars that ended
 
-The library is xgrammar (the README says why). A matcher is a pushdown automaton over the
+The library is xgrammar (docs/guides/structured_outputs.md says why). A matcher is a pushdown automaton over the
 grammar; filling its bitmask writes, for its state, which of the vocabulary's tokens may come
 next, as int32 words of 32 tokens each, and `apply_token_bitmask_inplace` sets the logits of the
 others to -inf (a C++ loop on the CPU, a kernel on CUDA; no Python loop over the vocabulary).
