@@ -17,7 +17,8 @@ from minipaged import LLM, EngineConfig, SamplingParams
 from minipaged.attention import cpu_backend, default_backend_name, get_attention_backend
 from minipaged.attention.cpu_backend import CPUBackend, DecodePlan, decode_chunks
 from minipaged.attention.metadata import AttentionMetadata
-from minipaged.attention.torch_ref import TorchRefPlan, paged_attention_reference
+from minipaged.attention.batched_sdpa import BatchedPlan
+from minipaged.attention.torch_ref import paged_attention_reference
 from minipaged.models.config import ModelConfig
 from minipaged.models.loader import resolve_model
 from minipaged.utils import cdiv
@@ -117,13 +118,13 @@ def test_decode_step_in_other_dtypes(monkeypatch, dtype, cache_dtype, tol):
     pytest.param([(12, 30), (1, 9), (4, 4)], 0, id="prompt-chunks"),
     pytest.param([(1, 40), (1, 9)], 2, id="padding-tokens"),
 ])
-def test_other_steps_take_torch_ref(seqs, pad):
-    """A step with a prompt chunk, or with padding tokens (slot -1), is planned by torch_ref:
+def test_other_steps_take_batched_sdpa(seqs, pad):
+    """A step with a prompt chunk, or with padding tokens (slot -1), is planned by batched SDPA:
     the decode path would attend one query per sequence and write to slot -1."""
     q, k, v, k_cache, v_cache, md = make_step(seqs, 8, 4, 8, pad_tokens=pad)
     backend = CPUBackend()
     backend.prepare(md)
-    assert isinstance(md.plan, TorchRefPlan)
+    assert isinstance(md.plan, BatchedPlan)
     out = backend.forward(q, k, v, k_cache, v_cache, md, 0.35)
     n = sum(q_len for q_len, _ in seqs)
     ref = paged_attention_reference(q[:n], k_cache, v_cache, md, 0.35)

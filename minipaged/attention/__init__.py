@@ -1,10 +1,10 @@
 """Attention backends: how a step's queries read the paged KV cache.
 
-* `torch_ref` (torch_ref.py): gathers each sequence's K/V through its block table and runs SDPA
-  with a causal offset. Readable, runs anywhere, and the oracle for every kernel test.
-* `cpu` (cpu_backend.py): `torch_ref` with a paged decode path for decode-only steps (whole
-  blocks gathered in L2-sized chunks, small KV heads packed into one SDPA problem). Default on
-  the CPU.
+* `torch_ref` (torch_ref.py): gathers each sequence's K/V through its block table and runs
+  causal attention, one sequence at a time. The definition, and the oracle for every other one.
+* `cpu` (cpu_backend.py): the same attention batched (batched_sdpa.py: one masked SDPA per group
+  of sequences) with a paged decode path for decode-only steps (whole blocks gathered in L2-sized
+  chunks, small KV heads packed into one SDPA problem). Default on the CPU.
 * `triton` (triton_kernels.py): the Triton kernels of lesson 05. Default on CUDA.
 
 Every backend implements `AttentionBackend` (metadata.py): `prepare(metadata)` once per step

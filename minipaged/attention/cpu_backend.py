@@ -4,7 +4,7 @@ a paged decode path for steps in which every sequence decodes one token.
 Lesson 05 reads `torch_ref.py`, the definition; this file is what the CPU runs, and
 `tests/test_cpu_backend.py` checks it against that definition and against HF's greedy tokens.
 Steps with a prompt chunk in them (prefills, chunked prefill, speculative verification) go
-through `TorchRefBackend` unchanged; a decode-only step, nearly every step of a generation,
+through `BatchedSDPABackend` (batched_sdpa.py) unchanged; a decode-only step, nearly every step of a generation,
 takes the path below. It computes the same attention with fewer and cheaper ops:
 
 * Whole blocks are gathered, not slots: each sequence's block-table row *is* the gather index
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from minipaged.attention.metadata import AttentionMetadata
-from minipaged.attention.torch_ref import TorchRefBackend
+from minipaged.attention.batched_sdpa import BatchedSDPABackend
 from minipaged.utils import cdiv
 from minipaged.worker.kv_dtype import raw, to_cache_dtype
 
@@ -98,12 +98,12 @@ def block_diagonal(kv_heads: int, head_dim: int) -> bool:
     return kv_heads > 1 and kv_heads * head_dim <= BLOCK_DIAGONAL_MAX_WIDTH
 
 
-class CPUBackend(TorchRefBackend):
+class CPUBackend(BatchedSDPABackend):
     name = "cpu"
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         if metadata.max_query_len != 1 or metadata.num_tokens != metadata.num_seqs:
-            return super().prepare(metadata)  # prompt chunks or padding tokens: torch_ref's
+            return super().prepare(metadata)  # prompt chunks or padding tokens: batched SDPA
         metadata.plan = DecodePlan(metadata)
 
     def store_kv(self, k, v, k_cache, v_cache, metadata):

@@ -1,10 +1,8 @@
-"""The reference attention backend: gather K/V through the block table, then plain SDPA.
+"""The reference attention backend: the readable *definition* of paged attention.
 
-This is the readable *definition* of paged attention in minipaged (lesson 05 starts from it) and
-the oracle every Triton kernel is tested against. It is also the CPU fast path, so it is batched:
-per step it plans at most two groups of sequences (decodes, whose query length is 1, and
-prefills), and per layer it runs one gather and one masked SDPA per group - never a Python loop
-over sequences.
+Lesson 05 starts from it, and it is the oracle every faster backend is tested against (the
+batched CPU path in batched_sdpa.py and cpu_backend.py, the Triton kernels). For each sequence it
+finds where its keys live through its block table, gathers them, and runs causal attention:
 
     slots  = block_table[pos // block_size] * block_size + pos % block_size   # logical -> physical
     K_seq  = k_cache.flatten(0, 1)[slots]                                     # (ctx, kv_heads, dim)
@@ -14,156 +12,46 @@ online_softmax.py computes the same thing the way the Triton kernel does (lesson
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 import torch
-import torch.nn.functional as F
 
 from minipaged.attention.metadata import AttentionBackend, AttentionMetadata
-from minipaged.utils import cdiv
 from minipaged.worker.kv_dtype import raw, to_cache_dtype
 
 
-@dataclass
-class _Group:
-    """Sequences attended together in one SDPA call (same padded query length)."""
-
-    token_index: torch.Tensor  # (G, max_q) flat token index of each padded query row
-    valid: Optional[torch.Tensor]  # (G, max_q) bool, None when no row is padding
-    slots: torch.Tensor  # (G, max_ctx) cache slot of every key position (0 where past the end)
-    mask: torch.Tensor  # (G, 1, max_q, max_ctx) bool: True = may attend
-    bias: torch.Tensor  # (G, 1, max_q, max_ctx) the mask as 0 / -inf, added to the scores
-
-
-@dataclass
-class TorchRefPlan:
-    store_slots: torch.Tensor  # (num_valid_tokens,) slots to write
-    store_tokens: Optional[torch.Tensor]  # token rows that are not padding (None: all of them)
-    groups: list[_Group]
-    identity_order: bool  # one group whose rows are exactly tokens 0..num_tokens-1
-
-
-def build_group(metadata: AttentionMetadata, seq_ids: list[int]) -> _Group:
-    """Plan one SDPA call for `seq_ids` (indices into the step's sequences)."""
-    device = metadata.block_tables.device
-    bs = metadata.block_size
-    qlens = [metadata.query_lens[i] for i in seq_ids]
-    ctx = [metadata.context_lens_host[i] for i in seq_ids]
-    max_q, max_ctx = max(qlens), max(ctx)
-    idx = torch.tensor(seq_ids, device=device, dtype=torch.long)
-    q_len = torch.tensor(qlens, device=device)[:, None]  # (G, 1)
-    ctx_len = metadata.context_lens[idx].long()[:, None]  # (G, 1)
-    q_start = metadata.cu_seqlens_q[idx].long()[:, None]  # (G, 1)
-
-    q_pos = torch.arange(max_q, device=device)[None, :]  # (1, max_q)
-    valid = q_pos < q_len  # (G, max_q)
-    token_index = torch.where(valid, q_start + q_pos, 0)
-    # Absolute position of each query row; padding rows look at key 0 only (and are discarded).
-    q_abs = torch.where(valid, ctx_len - q_len + q_pos, 0)  # (G, max_q)
-
-    k_pos = torch.arange(max_ctx, device=device)  # (max_ctx,)
-    tables = metadata.block_tables[idx].long()  # (G, max_blocks)
-    n_blocks = cdiv(max_ctx, bs)
-    blocks = tables[:, :n_blocks].repeat_interleave(bs, dim=1)[:, :max_ctx]  # (G, max_ctx)
-    slots = blocks * bs + (k_pos % bs)[None, :]
-    mask = (k_pos[None, None, :] <= q_abs[:, :, None]) & (k_pos[None, None, :] < ctx_len[:, :, None])
-    mask = mask[:, None]  # (G, 1, max_q, max_ctx)
-    # SDPA turns a bool mask into this float one on every call; once per step is enough
-    bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
-    return _Group(token_index=token_index, valid=None if bool(valid.all()) else valid,
-                  slots=slots, mask=mask, bias=bias)
-
-
-def _slots(cache: torch.Tensor) -> torch.Tensor:
+def slot_rows(cache: torch.Tensor) -> torch.Tensor:
     """(num_blocks * block_size, kv_heads, dim): one row per slot; float8 is indexed as bytes."""
     return raw(cache).view(-1, cache.shape[2], cache.shape[3])
 
 
 class TorchRefBackend(AttentionBackend):
+    """`store_kv` writes each new token's K/V to its slot; `attend` is the loop below."""
+
     name = "torch_ref"
 
-    def prepare(self, metadata: AttentionMetadata) -> None:
-        decodes = [i for i, n in enumerate(metadata.query_lens) if n == 1]
-        prefills = [i for i, n in enumerate(metadata.query_lens) if n > 1]
-        groups = [build_group(metadata, ids) for ids in (decodes, prefills) if ids]
-        slot_mapping = metadata.slot_mapping
-        keep = slot_mapping >= 0
-        all_valid = bool(keep.all())
-        identity = (len(groups) == 1 and groups[0].valid is None
-                    and groups[0].token_index.numel() == metadata.num_tokens)  # rows in token order
-        metadata.plan = TorchRefPlan(
-            store_slots=slot_mapping if all_valid else slot_mapping[keep],
-            store_tokens=None if all_valid else keep.nonzero().squeeze(1),
-            groups=groups, identity_order=identity)
-
     def store_kv(self, k, v, k_cache, v_cache, metadata):
-        """Each new token's K/V goes to its slot (padding tokens are skipped)."""
-        plan: TorchRefPlan = metadata.plan
-        k_flat, v_flat = _slots(k_cache), _slots(v_cache)
-        if plan.store_tokens is not None:
-            k, v = k[plan.store_tokens], v[plan.store_tokens]
-        k_flat.index_copy_(0, plan.store_slots, raw(to_cache_dtype(k, k_cache.dtype)))
-        v_flat.index_copy_(0, plan.store_slots, raw(to_cache_dtype(v, v_cache.dtype)))
+        keep = metadata.slot_mapping >= 0  # padding tokens have slot -1
+        slots = metadata.slot_mapping[keep]
+        slot_rows(k_cache).index_copy_(0, slots, raw(to_cache_dtype(k[keep], k_cache.dtype)))
+        slot_rows(v_cache).index_copy_(0, slots, raw(to_cache_dtype(v[keep], v_cache.dtype)))
 
     def attend(self, q, k_cache, v_cache, metadata, scale):
-        """One gather and one masked SDPA per group of sequences."""
-        plan: TorchRefPlan = metadata.plan
-        num_heads, num_kv_heads, head_dim = q.shape[1], k_cache.shape[2], k_cache.shape[3]
-        group = num_heads // num_kv_heads  # query heads per KV head (GQA)
-        k_flat, v_flat = _slots(k_cache), _slots(v_cache)
-        out = q.new_empty(q.shape) if not plan.identity_order else None
-        for g in plan.groups:
-            if plan.identity_order:  # rows already in order: a view, no gather
-                qg = q.view(g.token_index.shape + q.shape[1:])
-            else:
-                qg = q[g.token_index]  # (G, max_q, heads, dim)
-            G, max_q = g.token_index.shape
-            ctx = g.slots.shape[1]
-            # GQA: the `group` query heads that read one KV head become `group` times as many
-            # query rows of that head, so SDPA runs one problem per KV head and reads its K/V
-            # once, instead of once per query head with enable_gqa=True (the Triton decode
-            # kernel packs heads the same way; benchmarks/README.md has what it saved).
-            # Row t * group + j of KV head h is query position t of query head h * group + j;
-            # the rows of one position share its mask row (a view when max_q is 1, a decode).
-            qg = (qg.view(G, max_q, num_kv_heads, group, head_dim).transpose(1, 2)
-                  .reshape(G, num_kv_heads, max_q * group, head_dim))  # (G, kv_heads, rows, dim)
-            bias = (g.bias[:, :, :, None, :].expand(G, 1, max_q, group, ctx)
-                    .reshape(G, 1, max_q * group, ctx))  # (G, 1, rows, max_ctx)
-            # index_select on the flat slot list is much faster than 2-D fancy indexing
-            kg = k_flat.index_select(0, g.slots.view(-1)).view(G, ctx, num_kv_heads, head_dim)
-            vg = v_flat.index_select(0, g.slots.view(-1)).view(G, ctx, num_kv_heads, head_dim)
-            kg = kg.view(k_cache.dtype).transpose(1, 2).to(q.dtype)  # (G, kv_heads, max_ctx, dim)
-            vg = vg.view(v_cache.dtype).transpose(1, 2).to(q.dtype)
-            bias = bias.to(q.dtype)  # a no-op for fp32 models
-            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=bias, scale=scale)
-            og = (og.view(G, num_kv_heads, max_q, group, head_dim).transpose(1, 2)
-                  .reshape(G, max_q, num_heads, head_dim))  # (G, max_q, heads, dim)
-            if plan.identity_order:
-                return og.reshape(q.shape)
-            if g.valid is None:
-                out[g.token_index.flatten()] = og.flatten(0, 1)
-            else:
-                out[g.token_index[g.valid]] = og[g.valid]
-        return out
+        return paged_attention_reference(q, k_cache, v_cache, metadata, scale)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Attention over a cache that already holds this step's K/V: the oracle for kernel tests.
-
-    A deliberately simple per-sequence loop, independent of the batched planner above.
-    """
+    """Attention over a cache that already holds this step's K/V, one sequence at a time.
+    q: (num_tokens, heads, dim); returns the same shape."""
     out = torch.empty_like(q)
     bs = metadata.block_size
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // kv_heads
+    start = 0  # sequence i's queries are rows start .. start + q_len
     for i, (q_len, ctx) in enumerate(zip(metadata.query_lens, metadata.context_lens_host)):
-        start = int(metadata.cu_seqlens_q[i])
         pos = torch.arange(ctx, device=q.device)
         slots = metadata.block_tables[i].long()[pos // bs] * bs + pos % bs
-        ks = raw(k_cache).reshape(-1, kv_heads, dim)[slots].view(k_cache.dtype).float()  # (ctx, kv_heads, dim)
-        vs = raw(v_cache).reshape(-1, kv_heads, dim)[slots].view(v_cache.dtype).float()
+        ks = slot_rows(k_cache)[slots].view(k_cache.dtype).float()  # (ctx, kv_heads, dim)
+        vs = slot_rows(v_cache)[slots].view(v_cache.dtype).float()
         ks = ks.repeat_interleave(group, dim=1).transpose(0, 1)  # (heads, ctx, dim)
         vs = vs.repeat_interleave(group, dim=1).transpose(0, 1)
         qs = q[start:start + q_len].float().transpose(0, 1)  # (heads, q_len, dim)
@@ -171,4 +59,5 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         q_abs = ctx - q_len + torch.arange(q_len, device=q.device)
         scores = scores.masked_fill(pos[None, None, :] > q_abs[None, :, None], float("-inf"))
         out[start:start + q_len] = (scores.softmax(-1) @ vs).transpose(0, 1).to(q.dtype)
+        start += q_len
     return out
