@@ -343,7 +343,7 @@ def hf_from_dummy(llm):
     """An HF model with the same dummy weights, for baselines on presets."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from minipaged.models.llama import stacked_sizes
+    from minipaged.models.weights import stacked_sizes
     if llm.engine.config.quantization is not None:
         raise ValueError(f"the HF baselines copy the engine's dummy weights, and with "
                          f"quantization={llm.engine.config.quantization!r} those are quantized: "

@@ -1,34 +1,22 @@
 """Paged KV-cache bookkeeping: which physical block holds which tokens of which sequence.
 
-Lesson 02 (`notebooks/02_block_manager.ipynb`) walks through this file; lesson 01 plots its
-accounting. Nothing here touches a tensor: the K/V tensors live in `kv_cache.py`, and this module
-only hands out block *ids*, exactly like an operating system's page allocator hands out frames.
+Lesson 02 walks through this file. Nothing here touches a tensor (the K/V live in kv_cache.py):
+like an operating system's page allocator, it only hands out block *ids*. `BlockAllocator`
+(block_allocator.py) owns the physical blocks; `BlockManager` owns one `block_table` per
+sequence (logical block i -> physical block id) and speaks the scheduler's language:
+`can_allocate / allocate / can_append / append_slots / fork / free`, and `truncate` to give back
+a table's tail. Copy-on-write: a sequence about to write into a block another one also
+references (after `fork`) gets a private copy first, and the caller is told what to copy.
 
-Two layers, following vLLM's names: `BlockAllocator` (block_allocator.py) owns the physical
-blocks (their free queue in LRU order, ref counts, the prefix-cache index); `BlockManager` owns
-one `block_table` per sequence (logical block i -> physical block id) and speaks the scheduler's
-language: `can_allocate / allocate / can_append / append_slots / fork / free`, and `truncate` to
-give back a table's tail. Copy-on-write: when a sequence is about to write into a block another
-sequence also references (after `fork`), it gets a private copy first and the caller is told
-which block to copy.
+A block's hash is `hash((parent_block_hash, token_ids_of_this_block, extra_key))`, so equal
+hashes mean equal *prefixes*; token ids are compared on every hit to rule out collisions.
+`extra_key(seq)` (vLLM's extra keys: an adapter's id, lesson 11) is chosen at build.
 
-A block's hash is `hash((parent_block_hash, token_ids_of_this_block))`, so equal hashes mean equal
-*prefixes*, not just equal blocks; token ids are compared on every hit to rule out collisions. An
-`extra_key(seq)` chosen when the manager is built (vLLM's extra keys; an adapter's id, lesson 11)
-is mixed into every hash and hit check: the same tokens under another key have other K/V.
-
-A block is published (vLLM V1's rule) when `allocate` / `append_slots` hand out the slots that
-fill it (`cache_blocks`), before the forward writes them: a request admitted later in the same
-pass hits it, so n requests of one prompt arriving together prefill its full blocks once. Safe,
-because each layer stores all of the step's new K/V before any attention reads the cache. Only
-known tokens are hashed (prompt and accepted outputs, never a guess). Such a block leaves the
-prefix cache again if its step never runs: its sequence preempted in the pass that planned it
-(`cache_full_blocks`, from `free`), or the forward raised (`drop_uncomputed_blocks`, as the next
-pass starts).
-
-Build it yourself (lesson 02): `minipaged exercise start block_manager` hands you `_needs_cow`,
-`append_slots`, `fork` and `free` to write; `minipaged exercise check block_manager` runs this
-file's tests with yours in place (minipaged/exercises/).
+A full block is published (vLLM V1's rule) when its slots are handed out (`cache_blocks`), before
+the forward writes them, so n requests of one prompt arriving together prefill it once (each
+layer stores the step's K/V before any attention reads them). Only known tokens are hashed. A
+block leaves the prefix cache again if its step never runs: its sequence preempted in the same
+pass (`cache_full_blocks`), or the forward raised (`drop_uncomputed_blocks`).
 """
 from __future__ import annotations
 

@@ -33,12 +33,16 @@ from minipaged.groups.scheduling import GroupScheduling
 from minipaged.lora.extension import LoRAExtension
 from minipaged.lora.scheduling import LoRAAdmission, lora_hash_key
 from minipaged.models.loader import load_model
+from minipaged.sampling import Sampler
+from minipaged.sampling.kernel_sampler import KernelSampler
 from minipaged.structured_output.extension import StructuredOutputExtension
 from minipaged.structured_output.manager import StructuredOutputManager
 from minipaged.swap.block_manager import SwapBlockManager
 from minipaged.swap.runner import SwapModelRunner
 from minipaged.swap.scheduler import SwapPreemption
 from minipaged.worker import make_model_runner
+from minipaged.worker.kv_cache import (allocate_kv_cache, block_bytes, determine_num_blocks,
+                                       kv_cache_torch_dtype)
 from minipaged.worker.swap import allocate_cpu_cache, determine_num_cpu_blocks
 
 
@@ -67,6 +71,30 @@ def build_model(config, source, dtype: torch.dtype, device: torch.device, backen
             device=device, dtype=dtype,
             live_lora_ids=lambda: {s.lora_int_id for s in requests.values()} - {0})
     return model, model_config, lora_manager
+
+
+def build_kv_cache(config, model, backend, kv_config, dtype: torch.dtype, device: torch.device):
+    """(the KV cache tensor, its dtype, the bytes of one block): as many blocks as the memory
+    knobs allow (worker/kv_cache.py); on CUDA after a dummy forward at the largest step has
+    measured the activations' peak (gpu_model_runner.profile_peak_memory)."""
+    kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
+    profile = None
+    if config.is_cuda:
+        from minipaged.worker.gpu_model_runner import profile_peak_memory
+        profile = functools.partial(profile_peak_memory, model, backend, kv_config, config,
+                                    kv_dtype, device)
+    num_blocks = determine_num_blocks(config, kv_config, kv_dtype, device, profile=profile)
+    kv_cache = allocate_kv_cache(kv_config, num_blocks, config.block_size, kv_dtype, device,
+                                 head_major=config.kv_head_major)
+    return kv_cache, kv_dtype, block_bytes(kv_config, config.block_size, kv_dtype)
+
+
+def settle(config) -> None:
+    """The last of an engine's set-up. On CUDA, the garbage collector's heap is frozen: a
+    collection pause idles the GPU (lesson 08 measures it; gpu_model_runner.freeze_gc_heap)."""
+    if config.is_cuda:
+        from minipaged.worker.gpu_model_runner import freeze_gc_heap
+        freeze_gc_heap()
 
 
 def build_kv_block_manager(config, num_blocks: int, kv_cache: torch.Tensor, block_bytes: int):
@@ -114,6 +142,23 @@ def build_block_manager(num_blocks: int, block_size: int, enable_prefix_caching:
         return SwapBlockManager(num_blocks, block_size, enable_prefix_caching, extra_key,
                                 num_cpu_blocks=num_cpu_blocks)
     return BlockManager(num_blocks, block_size, enable_prefix_caching, extra_key)
+
+
+def build_engine_scheduler(config, block_manager: BlockManager, loop_cls) -> Scheduler:
+    """The engine's scheduler: its step loop's class (`loop_cls.scheduler_cls`) with the
+    policies the config turns on."""
+    return build_scheduler(block_manager, max_num_seqs=config.max_num_seqs,
+                           max_num_batched_tokens=config.max_num_batched_tokens,
+                           enable_chunked_prefill=config.enable_chunked_prefill,
+                           preemption_mode=config.preemption_mode,
+                           max_loras=config.max_loras if config.enable_lora else 0,
+                           base=loop_cls.scheduler_cls, **loop_cls.scheduler_kwargs(config))
+
+
+def build_sampler(config, eos_token_ids: list[int]) -> Sampler:
+    """The torch `Sampler`, or on CUDA the `KernelSampler` (fused Triton draws, lesson 04)."""
+    cls = KernelSampler if config.sampler_kernel else Sampler
+    return cls(seed=config.seed, eos_token_ids=eos_token_ids)
 
 
 def build_scheduler(block_manager: BlockManager, *, max_num_seqs: int,

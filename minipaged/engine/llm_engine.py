@@ -10,15 +10,11 @@ by one; the step loop of engine/step_loop.py calls them in order):
                           check stop conditions (output.py), free finished sequences' blocks
     finish_step()         a StepRecord for the lessons' plots; the step's outputs
 
-A request is checked before it is queued (processor.py), and a request that raises while it is
-stepped fails alone: `fail_request` ends it with finish_reason "error" and frees its blocks, and
-the step goes on for the others (failures.py).
-
-Everything a later lesson adds is attached once, when the engine is built (engine/build.py),
-through a named seam, and costs nothing while it is off: another step loop (step_loop.py),
-request extensions called once per batch (extensions.py), the scheduler's and block manager's
-policies, runner wrappers. `LLM` (llm.py) loops `step()` for offline batches; the server loops
-it in the background.
+A request is checked before it is queued (processor.py); one that raises while it is stepped
+fails alone (`fail_request`: finish_reason "error", its blocks freed; failures.py). Everything a
+later lesson adds is attached once, at build (engine/build.py), through a named seam that costs
+nothing while it is off: a step loop, request extensions (extensions.py), the scheduler's and
+block manager's policies, runner wrappers. `LLM` (llm.py) and the server loop `step()`.
 """
 from __future__ import annotations
 
@@ -32,9 +28,10 @@ import torch
 from minipaged.attention import get_attention_backend
 from minipaged.config import EngineConfig
 from minipaged.engine import failures, processor
-from minipaged.engine.build import (build_extensions, build_kv_block_manager, build_model,
-                                    build_runner, build_scheduler)
-from minipaged.engine.output import OutputProcessor, RequestOutput
+from minipaged.engine.build import (build_engine_scheduler, build_extensions,
+                                    build_kv_block_manager, build_kv_cache, build_model,
+                                    build_runner, build_sampler, settle)
+from minipaged.engine.output import OutputProcessor, RequestOutput, eos_token_ids
 from minipaged.engine.processor import RequestError
 from minipaged.engine.scheduler import Scheduler, SchedulerOutput
 from minipaged.engine.sequence import Sequence, SequenceStatus
@@ -45,11 +42,8 @@ from minipaged.groups.beam_search import BeamSearchParams
 from minipaged.lora.request import LoRARequest
 from minipaged.models.config import ModelConfig, parse_dtype
 from minipaged.models.loader import load_tokenizer, resolve_model
-from minipaged.sampling import SamplerOutput, SamplingParams, Sampler
-from minipaged.sampling.kernel_sampler import KernelSampler
+from minipaged.sampling import SamplerOutput, SamplingParams
 from minipaged.worker.cpu_threads import apply_cpu_threads
-from minipaged.worker.kv_cache import (allocate_kv_cache, block_bytes, determine_num_blocks,
-                                       kv_cache_torch_dtype)
 
 logger = logging.getLogger("minipaged.engine")
 
@@ -71,27 +65,21 @@ class LLMEngine:
             config, self.source, self.dtype, self.device, self.backend, self.requests)
         self.kv_config = self.model.config  # the KV heads this process holds (1/N with TP)
         self.tokenizer = load_tokenizer(self.source, config.tokenizer)
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 config.max_model_len, config.block_size)
 
         # The KV cache: as many blocks as the memory knobs allow (worker/kv_cache.py).
-        self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
-        self.num_blocks = determine_num_blocks(config, self.kv_config, self.kv_dtype,
-                                               self.device, profile=self._profile_peak_memory)
-        self.kv_cache = allocate_kv_cache(self.kv_config, self.num_blocks, config.block_size,
-                                          self.kv_dtype, self.device,
-                                          head_major=config.kv_head_major)
-        self.block_bytes = block_bytes(self.kv_config, config.block_size, self.kv_dtype)
+        self.kv_cache, self.kv_dtype, self.block_bytes = build_kv_cache(
+            config, self.model, self.backend, self.kv_config, self.dtype, self.device)
+        self.num_blocks = self.kv_cache.shape[2]  # (layers, 2, num_blocks, block_size, ...)
         self.block_manager, self.cpu_cache = build_kv_block_manager(  # (+ swap's CPU pool)
             config, self.num_blocks, self.kv_cache, self.block_bytes)
         loop_cls = step_loop_class(config)  # the step loop, chosen once (engine/step_loop.py)
-        self.scheduler = self.make_scheduler(loop_cls.scheduler_cls,
-                                             **loop_cls.scheduler_kwargs(config))
+        self.scheduler = build_engine_scheduler(config, self.block_manager, loop_cls)
         self.model_runner = build_runner(config, self.model, self.kv_cache, self.backend,
                                          self.lora_manager, self.cpu_cache)
-        sampler_cls = KernelSampler if config.sampler_kernel else Sampler  # (CUDA: kernels)
-        self.sampler = sampler_cls(seed=config.seed, eos_token_ids=self.eos_token_ids)
+        self.sampler = build_sampler(config, self.eos_token_ids)  # (CUDA: sampling kernels)
         self.groups: dict[str, SequenceGroup] = {}  # ... those with n > 1 or a beam search
         self.ext, structured = build_extensions(self)  # request extensions (extensions.py)
         self.structured_output, self.grammar_compiles = structured.manager, structured.compiles
@@ -105,31 +93,7 @@ class LLMEngine:
         self._start = time.perf_counter()
         self.num_steps = 0  # steps recorded so far (the next StepRecord's index)
         self.step_loop: StepLoop = loop_cls(self)  # built last: it may add to the runner
-        if config.is_cuda:  # where a pause idles the GPU (lesson 08 measures it)
-            from minipaged.worker.gpu_model_runner import freeze_gc_heap
-            freeze_gc_heap()
-
-    def make_scheduler(self, cls: type[Scheduler], **extra) -> Scheduler:
-        cfg = self.config
-        return build_scheduler(self.block_manager, max_num_seqs=cfg.max_num_seqs,
-                               max_num_batched_tokens=cfg.max_num_batched_tokens,
-                               enable_chunked_prefill=cfg.enable_chunked_prefill,
-                               preemption_mode=cfg.preemption_mode,
-                               max_loras=cfg.max_loras if cfg.enable_lora else 0, base=cls,
-                               **extra)
-
-    def _eos_ids(self) -> list[int]:
-        ids = list(self.model_config.eos_token_id)
-        tok = self.tokenizer
-        if tok is not None and tok.eos_token_id is not None and tok.eos_token_id not in ids:
-            ids.append(tok.eos_token_id)
-        return ids
-
-    def _profile_peak_memory(self) -> int:
-        """CUDA: peak activation bytes of one forward at max_num_batched_tokens (no KV cache yet)."""
-        from minipaged.worker.gpu_model_runner import profile_peak_memory
-        return profile_peak_memory(self.model, self.backend, self.kv_config, self.config,
-                                   self.kv_dtype, self.device)
+        settle(config)  # (CUDA: the garbage collector's heap frozen, lesson 08)
 
     # --- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

@@ -110,6 +110,14 @@ def find_stop_string(text: str, searched: int, stops: list[str],
     return stop, idx + len(stop) if include else idx
 
 
+def eos_token_ids(model_config, tokenizer) -> list[int]:
+    """The model's end-of-sequence ids, and the tokenizer's if it names another."""
+    ids = list(model_config.eos_token_id)
+    if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
 class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: list[int], max_model_len: int, block_size: int):
         self.tokenizer = tokenizer  # None for dummy weights: outputs carry token ids only

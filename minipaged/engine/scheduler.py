@@ -1,32 +1,22 @@
 """Continuous batching: which sequences run in the next step, and how many tokens each.
 
 Lesson 03 replays this file's decisions as a Gantt chart. Scheduling is per *iteration* (Orca):
-every step is planned anew, so a finished sequence's seat is refilled at once instead of waiting
-for the slowest member of a static batch.
-
-Each step fills a token budget (`max_num_batched_tokens`) with at most `max_num_seqs` sequences:
+every step is planned anew, so a finished sequence's seat is refilled at once. Each step fills a
+token budget (`max_num_batched_tokens`) with at most `max_num_seqs` sequences:
 
 1. running sequences that are decoding (1 token each), oldest first;
-2. running sequences still in the middle of a chunked prefill (as many tokens as the budget has);
-3. waiting sequences, in arrival order, while budget, seats and blocks last. With chunked
-   prefill a long prompt is split across steps, so prefill and decode share a step. A waiting
-   sequence may hit full blocks that an earlier one computes in this very step (they are
-   published when their slots are allocated, block_manager.py); it still runs, and takes from
-   the budget, every token after its hit.
+2. running sequences in the middle of a chunked prefill (as many tokens as the budget has);
+3. waiting sequences, in arrival order, while budget, seats and blocks last (with chunked
+   prefill a long prompt is split across steps, so prefill and decode share a step).
 
-Before promising any tokens it asks the `BlockManager` for room. When the cache is full a running
-sequence is *preempted*: the most recently admitted one gives up all its blocks and goes back to
-the front of the waiting queue (recompute, vLLM's default); when readmitted it prefills its
-prompt and everything it had generated (prefix-cache hits can make that cheap).
+Before promising tokens it asks the `BlockManager` for room. When the cache is full the most
+recently admitted running sequence is *preempted* (recompute, vLLM's default): it gives up its
+blocks and goes back to the front of the waiting queue, to prefill everything again later.
 
-The seams: a later capability changes these rules by overriding a few methods from its own
-folder; engine/build.py composes the ones the config turns on into one class, once, at build:
-`num_tokens_to_compute` (step loops), `can_admit`, `admit`, `has_seats`, `gang` (groups/: seats
-for forks, gangs preempted together), `preempt` (the preemption mode: recompute here, or to a
-CPU pool) and the queues' bookkeeping (`enter_running`, `leave_running`, `finish`, `seqs`).
-
-Build it yourself (lesson 03): `minipaged exercise start scheduler` hands you `_schedule_running`
-(steps 1 and 2, preemption included) to write; `minipaged exercise check scheduler` grades it.
+The seams: a later capability overrides a few methods from its own folder, composed once at
+build (engine/build.py): `num_tokens_to_compute` (step loops), `can_admit`, `admit`, `has_seats`,
+`gang` (groups/), `preempt` (the preemption mode: recompute here, swap/ to a CPU pool) and the
+queues' bookkeeping (`enter_running`, `leave_running`, `finish`, `seqs`).
 """
 from __future__ import annotations
 

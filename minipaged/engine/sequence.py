@@ -8,13 +8,8 @@ and walks a small state machine that lesson 03 draws as a Gantt chart:
        └──preempt─────────┘    │     recompute: its KV blocks are freed, it re-prefills later
                  SWAPPED ◀─────┘     swap: its KV blocks wait in CPU memory (lesson 06)
 
-`num_computed_tokens` is vLLM's name for "how many of `token_ids` already have K/V in the cache";
-the scheduler gives every sequence `len(token_ids) - num_computed_tokens` more tokens of work,
-which is a whole prompt, a prefill chunk, or the single newest token of a decode.
-
-A request that asks for several sequences (`SamplingParams(n=4)`, or a beam search) is a
-`SequenceGroup` (vLLM's name, groups/group.py): its prompt is prefilled once by one sequence,
-which is then *forked*; the children share the prompt's KV blocks (lesson 06).
+`num_computed_tokens` is vLLM's name for "how many of `token_ids` already have K/V in the cache":
+the work left is a whole prompt, a prefill chunk, or the single newest token of a decode.
 """
 from __future__ import annotations
 

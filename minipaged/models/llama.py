@@ -21,8 +21,6 @@ once when the model is built. Nothing below depends on which.
 """
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,15 +28,7 @@ from torch import nn
 from minipaged.attention import AttentionBackend, AttentionMetadata
 from minipaged.models.config import ModelConfig
 from minipaged.models.layers import TORCH_LAYERS, Layers, RMSNorm
-
-
-def stacked_sizes(cfg: ModelConfig, stacked: str, total: int) -> list[int]:
-    """The rows of each part of a stacked weight of `total` rows: q, k, v of `qkv_proj`, or
-    gate, up of `gate_up_proj` (the loaders and the tensor-parallel shards cut along them)."""
-    if stacked == "qkv_proj":
-        kv = cfg.num_key_value_heads * cfg.head_dim
-        return [total - 2 * kv, kv, kv]
-    return [total // 2, total // 2]
+from minipaged.models.weights import CheckpointWeights
 
 
 class LlamaAttention(nn.Module):
@@ -108,12 +98,9 @@ class LlamaModel(nn.Module):
         self.norm = layers.rms_norm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
-    """Flat-token causal LM: `forward` returns hidden states, `compute_logits` the vocab scores."""
-
-    # HF checkpoint names that are stacked into one of our parameters: (ours, theirs, shard index)
-    stacked_params = [("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
-                      ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
+class LlamaForCausalLM(CheckpointWeights, nn.Module):
+    """Flat-token causal LM: `forward` returns hidden states, `compute_logits` the vocab scores;
+    `load_weights` / `init_dummy_weights` fill it (weights.py)."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
                  layers: Layers = TORCH_LAYERS):
@@ -140,45 +127,3 @@ class LlamaForCausalLM(nn.Module):
         """(num_rows, vocab) scores in the model's dtype; the sampler widens them where it must."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, weight)  # (num_rows, vocab)
-
-    # --- weights ----------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, stacking q/k/v and gate/up; complain about anything missing."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            for ours, theirs, shard in self.stacked_params:
-                if f".{theirs}." in name:
-                    target = name.replace(f".{theirs}.", f".{ours}.")
-                    param = params[target]
-                    sizes = stacked_sizes(self.config, ours, param.shape[0])
-                    start = sum(sizes[:shard])
-                    param.data[start:start + sizes[shard]].copy_(tensor)
-                    loaded.add(f"{target}#{shard}")
-                    break
-            else:
-                if name not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-                params[name].data.copy_(tensor)
-                loaded.add(name)
-        expected = set()
-        for pname in params:
-            stacked = [(o, s) for o, _, s in self.stacked_params if f".{o}." in pname]
-            expected |= {f"{pname}#{s}" for _, s in stacked} if stacked else {pname}
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
-
-    @torch.no_grad()
-    def init_dummy_weights(self, seed: int = 0) -> None:
-        """Random weights of the right shapes, for throughput work ("dummy weights")."""
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.copy_((torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype))

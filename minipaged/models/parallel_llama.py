@@ -24,7 +24,8 @@ import torch
 
 from minipaged.distributed.parallel_state import TPGroup
 from minipaged.models.config import ModelConfig
-from minipaged.models.llama import LlamaForCausalLM, stacked_sizes
+from minipaged.models.llama import LlamaForCausalLM
+from minipaged.models.weights import stacked_sizes
 from minipaged.models.parallel_layers import (ColumnParallelLinear, ParallelLMHead,
                                               RowParallelLinear, VocabParallelEmbedding,
                                               read_shard, shard_config, shard_dim, shard_of)
