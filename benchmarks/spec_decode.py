@@ -9,7 +9,10 @@ lookup at k = 2 and 4 (prompt_lookup_max 4, min 1). The settings of one batch si
 (best of --repeats), so machine load falls on every side alike. Before its first timed run every
 engine (each setting, each batch size, each side of the --h200 runs) runs the same requests'
 shapes once untimed (lessons.bench.warm_up: the same batch, prompt lengths and max_tokens, token
-ids reversed), so --repeats 1 times warm engines as --repeats 3 does; each setting's warm-up
+ids reversed), so --repeats 1 times warm engines as --repeats 3 does. A round of one setting
+is the median pass of at least --min-sec seconds of passes (1 s with --h200, where a pass of
+stories260K takes about 0.1 s and one pass is one draw of the host's jitter; one pass on the
+CPU); each setting's warm-up
 (requests, tokens, steps, seconds) is printed and written to its row ("warmup"), beside its
 first timed step against its median step ("step_ms"). Each row: tokens/s and its ratio
 to off, the median inter-token latency, target forwards, time per forward, tokens per forward
@@ -88,21 +91,23 @@ def release() -> None:
         torch.cuda.empty_cache()
 
 
-def stories(device: str, batches, ks, max_tokens: int, repeats: int) -> list[sdm.SpecRun]:
+def stories(device: str, batches, ks, max_tokens: int, repeats: int,
+            min_sec: float = 0.0) -> list[sdm.SpecRun]:
     """stories260K at each batch size, every k in turns; one set of engines per batch size."""
     runs = []
     for batch in batches:
         # A fixed cache (64 sequences x 512 tokens of stories260K is 40 MiB): engines that live
         # side by side on a GPU do not each take gpu_memory_utilization of it.
         runs += sdm.compare("stories260K", batch, ks=ks, max_tokens=max_tokens, repeats=repeats,
-                            device=device, num_blocks=4096)
+                            device=device, num_blocks=4096, min_sec=min_sec)
         print(sdm.format_runs([r for r in runs if r.batch == batch]), flush=True)
         print(warmup_lines([r for r in runs if r.batch == batch]), flush=True)
         release()
     return runs
 
 
-def draft_one_stream(device: str, max_tokens: int, k: int, repeats: int) -> list[sdm.SpecRun]:
+def draft_one_stream(device: str, max_tokens: int, k: int, repeats: int,
+                     min_sec: float = 0.0) -> list[sdm.SpecRun]:
     """One stream of dummy Qwen3-0.6B: no speculation vs the dummy draft preset."""
     import random
     rng = random.Random(0)
@@ -112,7 +117,7 @@ def draft_one_stream(device: str, max_tokens: int, k: int, repeats: int) -> list
                                    "num_speculative_tokens": k})}
     runs = sdm.compare("dummy:qwen3-0.6b", 1, ks=(0, k), max_tokens=max_tokens, repeats=repeats,
                        prompts=prompt, configs=configs, device=device, dtype="bfloat16",
-                       max_model_len=2048, num_blocks=512)
+                       max_model_len=2048, num_blocks=512, min_sec=min_sec)
     release()
     return runs
 
@@ -159,6 +164,10 @@ def main(argv=None) -> None:
     ap.add_argument("--ks", default="0,2,4", help="0 is speculation off")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--min-sec", type=float, default=None,
+                    help="time each setting's round for at least this long, keeping its median "
+                         "pass (default: 1.0 with --h200, where one pass takes a tenth of a "
+                         "second; 0 on the CPU: one pass)")
     ap.add_argument("--draft-max-tokens", type=int, default=256, help="--h200: the Qwen3 stream")
     ap.add_argument("--num-requests", type=int, default=256, help="--h200: the full batch")
     ap.add_argument("--out", default=None)
@@ -167,6 +176,7 @@ def main(argv=None) -> None:
     from minipaged.lessons.figures import cpu_threads
 
     device = a.device or ("cuda" if a.h200 else "cpu")
+    min_sec = a.min_sec if a.min_sec is not None else (1.0 if a.h200 else 0.0)
     if device == "cpu":
         cpu_threads(1)
     batches = [int(b) for b in a.batches.split(",")]
@@ -179,10 +189,13 @@ def main(argv=None) -> None:
     result = {"command": " ".join(["python benchmarks/spec_decode.py", *(argv or sys.argv[1:])]),
               "device": device, "workload": f"stories260K, greedy story openings, "
               f"{a.max_tokens} tokens each, EOS ignored; best of {a.repeats}, settings in turns, "
-              "each engine warmed up first (untimed, the same shapes)",
-              "stories260k": with_ratios(stories(device, batches, ks, a.max_tokens, a.repeats))}
+              "each engine warmed up first (untimed, the same shapes); each round the median "
+              f"pass of at least {min_sec} s of passes",
+              "min_sec": min_sec,
+              "stories260k": with_ratios(stories(device, batches, ks, a.max_tokens, a.repeats,
+                                                 min_sec))}
     if a.h200:
-        draft = draft_one_stream(device, a.draft_max_tokens, 4, a.repeats)
+        draft = draft_one_stream(device, a.draft_max_tokens, 4, a.repeats, min_sec)
         print(sdm.format_runs(draft), flush=True)
         print(warmup_lines(draft), flush=True)
         result["qwen3_0.6b_one_stream_draft"] = {

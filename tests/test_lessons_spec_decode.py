@@ -130,3 +130,17 @@ def test_the_graded_exercise_runs_in_ci_and_checks_when_filled():
     for wrong in ("(0.6, [0.5, 0.3, 0.2, 0.0])", "(0.5, [0.75, 0.0, 0.25, 0.0])"):
         with pytest.raises(AssertionError, match="not yet"):
             exec(src.replace("ANSWER = None", f"ANSWER = {wrong}", 1), dict(env))
+
+
+def test_a_timed_round_is_the_median_of_passes_lasting_min_sec(monkeypatch):
+    """`compare(min_sec=...)` (the --h200 runs: a pass of stories260K takes ~0.1 s there) times
+    passes back to back until min_sec has been timed and keeps the median one; min_sec 0 keeps
+    the single pass."""
+    from minipaged.lessons import spec_decode_measure as sdm
+    times = iter([0.03, 0.01, 0.02, 0.5])
+    monkeypatch.setattr(sdm, "_run_once", lambda llm, prompts, params, setting: sdm.SpecRun(
+        setting, 1, 10, next(times), 0.0, 0.0, 10, 0, 0))
+    run = sdm.median_pass(None, ["p"], None, "off", min_sec=0.05)
+    assert (run.passes, run.elapsed_sec) == (3, 0.02)
+    run = sdm.median_pass(None, ["p"], None, "off", min_sec=0.0)
+    assert (run.passes, run.elapsed_sec) == (1, 0.5)

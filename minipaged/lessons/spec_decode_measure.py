@@ -50,6 +50,7 @@ class SpecRun:
     accepted: int
     warmup: Optional[dict] = None  # lessons.bench.Warmup.to_dict() of this setting's engine
     step_ms: Optional[dict] = None  # lessons.bench.step_ms: the first step against the median
+    passes: int = 1  # passes in its timed round (the median one is this row; see `min_sec`)
 
     @property
     def ms_per_step(self) -> float:
@@ -85,13 +86,15 @@ def _run_once(llm, prompts: Sequence[str], params, setting: str) -> SpecRun:
 def compare(model: str, batch: int, ks: Sequence[int] = (0, 2, 4), max_tokens: int = 128,
             repeats: int = 3, prompt_lookup_max: int = 4, llms: Optional[dict] = None,
             prompts: Optional[Sequence] = None, configs: Optional[dict] = None,
-            **llm_kw) -> list[SpecRun]:
+            min_sec: float = 0.0, **llm_kw) -> list[SpecRun]:
     """Greedy, ignore_eos: `batch` prompts (default: story openings; or token id lists),
     `max_tokens` each, at every k (0 = off). Best of `repeats` per setting, the settings
     interleaved, each engine warmed up first with the same requests' shapes (untimed; the
     rows' `warmup` says what it ran). `configs` (k -> (name, speculative_config)) replaces the
     n-gram settings; `llms` (k -> LLM) reuses engines built before (their max_num_seqs must hold
-    the batch)."""
+    the batch). `min_sec`: each timed round runs the requests again and again until that long
+    has passed and keeps its median pass (a pass of a tenth of a second on a GPU is otherwise
+    one draw of the host's jitter); 0: one pass per round."""
     from minipaged import LLM, SamplingParams
     from minipaged.lessons.bench import warm_up
     prompts = list(prompts) if prompts is not None else story_prompts(batch)
@@ -111,12 +114,24 @@ def compare(model: str, batch: int, ks: Sequence[int] = (0, 2, 4), max_tokens: i
     for _ in range(repeats):
         for k in ks:
             _sync(llms[k])
-            run = _run_once(llms[k], prompts, params, configs[k][0])
+            run = median_pass(llms[k], prompts, params, configs[k][0], min_sec)
             if k not in best or run.elapsed_sec < best[k].elapsed_sec:
                 best[k] = run
     for k in ks:
         best[k].warmup = warm[k]
     return [best[k] for k in ks]
+
+
+def median_pass(llm, prompts: Sequence, params, setting: str, min_sec: float) -> SpecRun:
+    """One timed round: passes back to back until `min_sec` have been timed (at least one);
+    the median pass by time, with how many there were."""
+    passes: list[SpecRun] = []
+    while not passes or sum(r.elapsed_sec for r in passes) < min_sec:
+        passes.append(_run_once(llm, prompts, params, setting))
+    passes.sort(key=lambda r: r.elapsed_sec)
+    run = passes[len(passes) // 2]
+    run.passes = len(passes)
+    return run
 
 
 def _sync(llm) -> None:
