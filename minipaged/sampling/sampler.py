@@ -2,8 +2,8 @@
 
 Lesson 04 plots every stage on real stories260K logits. One step's logits go through, in order:
 
-    raw logits ──▶ logprobs (if asked; vLLM returns the *raw* model log-probabilities)
-               ──▶ penalties (repetition, frequency, presence) ──▶ min_tokens (ban EOS/stop ids)
+    raw logits ──▶ logprobs (if asked, logprobs.py: vLLM returns the *raw* log-probabilities)
+               ──▶ penalties, min_tokens (penalties.py: repetition, frequency, presence; bans)
                ──▶ / temperature ──▶ top-k ──▶ top-p ──▶ min-p ──▶ softmax ──▶ sample
 
 All rows are processed together even when each request asks for different parameters. Sampling
@@ -22,7 +22,9 @@ from typing import Optional, Protocol, Sequence as Seq
 
 import torch
 
-from minipaged.sampling.params import Logprob, SamplerOutput, SamplingParams, TokenMask
+from minipaged.sampling.logprobs import gather_logprobs
+from minipaged.sampling.params import SamplerOutput, SamplingParams, TokenMask
+from minipaged.sampling.penalties import penalize
 from minipaged.utils import to_device
 
 
@@ -42,26 +44,6 @@ class SamplingRow(Protocol):
 
 
 Rows = Seq[SamplingRow]
-
-
-def apply_penalties(logits: torch.Tensor, seqs: Rows) -> torch.Tensor:
-    """In place. Repetition (HF's rule, over prompt + output), then frequency and presence
-    (OpenAI's rule, over output tokens only)."""
-    vocab = logits.shape[1]
-    for row, seq in enumerate(seqs):
-        p = seq.sampling_params
-        if not p.has_penalties:
-            continue
-        if p.repetition_penalty != 1.0:
-            seen = to_device(sorted(set(seq.token_ids)), logits.device, torch.long)
-            vals = logits[row, seen]
-            logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
-                                            vals * p.repetition_penalty)
-        if seq.output_token_ids and (p.frequency_penalty or p.presence_penalty):
-            out = to_device(seq.output_token_ids, logits.device, torch.long)
-            counts = torch.bincount(out, minlength=vocab).to(logits.dtype)
-            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-    return logits
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -111,7 +93,7 @@ class Sampler:
         token_list = tokens.tolist()  # the step's one host sync
         out = SamplerOutput(token_ids=token_list)
         if raw_logprobs is not None:
-            self._gather_logprobs(raw_logprobs, tokens, params, out)
+            gather_logprobs(raw_logprobs, tokens, params, out)  # (logprobs.py)
         return out
 
     @torch.no_grad()
@@ -126,20 +108,8 @@ class Sampler:
         return self._sample(logits, seqs)
 
     def penalize(self, logits: torch.Tensor, seqs: Rows) -> torch.Tensor:
-        """Penalties, then min_tokens' bans (EOS and stop ids to -inf), on a copy of `logits`
-        if any row has one; else `logits` itself."""
-        banned_rows = [i for i, s in enumerate(seqs)
-                       if s.num_output_tokens < s.sampling_params.min_tokens]
-        if not banned_rows and not any(s.sampling_params.has_penalties for s in seqs):
-            return logits
-        logits = apply_penalties(logits.clone(), seqs)
-        for i in banned_rows:
-            ban = list(seqs[i].sampling_params.stop_token_ids)
-            if not seqs[i].sampling_params.ignore_eos:
-                ban += self.eos_token_ids
-            if ban:
-                logits[i, to_device(ban, logits.device, torch.int64)] = float("-inf")
-        return logits
+        """Penalties and min_tokens' bans (penalties.py): a copy if any row has one."""
+        return penalize(logits, seqs, self.eos_token_ids)
 
     def sample_masked(self, logits: torch.Tensor, seqs: Rows, mask: TokenMask) -> None:
         """Masks applied inside sampling kernels: only `KernelSampler` does that; None here
@@ -185,27 +155,3 @@ class Sampler:
             return sampled
         greedy = to_device([p.greedy for p in params], device, torch.bool)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
-
-    @staticmethod
-    def _gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params, out: SamplerOutput):
-        # At most the whole vocabulary (max_logprobs=-1 lets a request ask for more).
-        k_max = min(max(p.logprobs or 0 for p in params if p.logprobs is not None), raw.shape[1])
-        sampled_lp = raw.gather(1, tokens[:, None]).squeeze(1)  # (rows,)
-        # rank = 1 + number of tokens strictly more likely than the sampled one
-        ranks = (raw > sampled_lp[:, None]).sum(dim=-1) + 1
-        top_vals, top_ids = raw.topk(k_max, dim=-1) if k_max > 0 else (None, None)
-        sampled_lp, ranks = sampled_lp.tolist(), ranks.tolist()
-        tokens_list = tokens.tolist()
-        for row, p in enumerate(params):
-            if p.logprobs is None:
-                out.logprobs.append(None)
-                out.sampled_logprobs.append(None)
-                continue
-            d: dict[int, Logprob] = {}
-            if p.logprobs > 0:
-                for r, (tid, lp) in enumerate(zip(top_ids[row, :p.logprobs].tolist(),
-                                                  top_vals[row, :p.logprobs].tolist())):
-                    d[tid] = Logprob(lp, r + 1)
-            d.setdefault(tokens_list[row], Logprob(sampled_lp[row], ranks[row]))
-            out.logprobs.append(d)
-            out.sampled_logprobs.append(sampled_lp[row])
