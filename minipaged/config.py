@@ -24,6 +24,14 @@ GiB = 1024 ** 3
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half", "float64")  # models.config._DTYPES
 ATTENTION_BACKENDS = ("torch_ref", "cpu", "triton")
+USAGE_CONTEXTS = ("offline", "server")
+
+# `max_num_batched_tokens` when unset, by device and use (vLLM's EngineArgs.get_batch_defaults):
+# a larger step budget prefills more prompts per forward where the GPU has the room for it.
+#                                           offline (LLM, bench)   server (minipaged serve)
+DEFAULT_BATCHED_TOKENS = {"cpu":            (2048, 2048),  # the CPU's measured best
+                          "large_gpu":      (16384, 8192),  # >= 70 GiB, not an A100 (H100, H200)
+                          "gpu":            (8192, 2048)}
 PREEMPTION_MODES = ("recompute", "swap")
 QUANTIZATION_METHODS = ("fp8",)  # models/quantization/
 
@@ -43,8 +51,12 @@ class EngineConfig:
         None, "longest prompt + output in tokens; auto: the model's max_position_embeddings")
     max_num_seqs: int = _knob(256, "most sequences in one batch; more requests wait in the queue")
     max_num_batched_tokens: Optional[int] = _knob(
-        None, "token budget of one step (prefill chunks + decodes); auto: 2048, or "
-              "max_model_len without chunked prefill")
+        None, "token budget of one step (prefill chunks + decodes); auto: by device and "
+              "usage_context (CPU 2048; H100/H200-class GPUs 16384 offline, 8192 served; other "
+              "GPUs 8192 / 2048), at least max_model_len without chunked prefill")
+    usage_context: str = _knob(
+        "offline", "what the automatic defaults are chosen for: offline (LLM, bench) or server "
+                   "(minipaged serve's default)", choices=USAGE_CONTEXTS)
     block_size: int = _knob(16, "tokens per KV-cache block (a power of two)")
     gpu_memory_utilization: float = _knob(
         0.9, "share of GPU memory for weights + activations + KV cache (CUDA)")
@@ -137,6 +149,7 @@ class EngineConfig:
                   note=" (None: the model's max_position_embeddings)")
         check_int("max_num_seqs", self.max_num_seqs, lo=1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, lo=1, optional=True)
+        check_choice("usage_context", self.usage_context, USAGE_CONTEXTS)
         check_int("block_size", self.block_size, lo=1)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
@@ -215,7 +228,8 @@ class EngineConfig:
         out = replace(self, device=device, dtype=dtype, attention_backend=backend, fused_ops=fused,
                       cpu_threads=threads, async_scheduling=async_scheduling,
                       max_cpu_loras=self.max_cpu_loras or self.max_loras)
-        out._resolve_lengths(model_config.max_position_embeddings)
+        out._resolve_lengths(model_config.max_position_embeddings,
+                             default_batched_tokens(device, self.usage_context))
         if out.tensor_parallel_size > 1:  # heads, vocabulary and devices must split N ways
             from minipaged.distributed.parallel_state import check_tensor_parallel
             check_tensor_parallel(out, model_config)
@@ -225,7 +239,7 @@ class EngineConfig:
             check_draft_model(draft_model_config(spec.model), model_config, out.max_model_len)
         return out
 
-    def _resolve_lengths(self, max_position_embeddings: int) -> None:
+    def _resolve_lengths(self, max_position_embeddings: int, default_budget: int = 2048) -> None:
         if self.max_model_len is None:
             self.max_model_len = max_position_embeddings
         elif self.max_model_len > max_position_embeddings:
@@ -234,8 +248,8 @@ class EngineConfig:
                 f"max_position_embeddings={max_position_embeddings}: positions beyond the trained "
                 f"context give garbage. Use max_model_len <= {max_position_embeddings}.")
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = (2048 if self.enable_chunked_prefill
-                                           else max(self.max_model_len, 2048))
+            self.max_num_batched_tokens = (default_budget if self.enable_chunked_prefill
+                                           else max(self.max_model_len, default_budget))
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
@@ -277,6 +291,22 @@ class EngineConfig:
     def sampler_kernel(self) -> bool:
         """Plain temperature rows sample with the Triton kernels (sampling/kernels.py): CUDA."""
         return self.is_cuda
+
+
+def device_class(device: str) -> str:
+    """"cpu", "large_gpu" (at least 70 GiB and not an A100: H100, H200, MI300) or "gpu"."""
+    if not device.startswith("cuda"):
+        return "cpu"
+    import torch
+    props = torch.cuda.get_device_properties(torch.device(device))
+    large = props.total_memory >= 70 * GiB and "a100" not in props.name.lower()
+    return "large_gpu" if large else "gpu"
+
+
+def default_batched_tokens(device: str, usage_context: str) -> int:
+    """`max_num_batched_tokens` for an unset knob (DEFAULT_BATCHED_TOKENS)."""
+    offline, server = DEFAULT_BATCHED_TOKENS[device_class(device)]
+    return server if usage_context == "server" else offline
 
 
 def engine_fields() -> list:

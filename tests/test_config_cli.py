@@ -104,3 +104,34 @@ def test_max_trace_len_bounds_the_trace():
     unbounded.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=20),
                        use_tqdm=False)
     assert len(unbounded.engine.trace) >= 20
+
+
+def test_the_step_budget_default_follows_the_device_and_the_use(monkeypatch):
+    """An unset max_num_batched_tokens is chosen by `resolve` from the device and
+    `usage_context` (vLLM's get_batch_defaults): 2048 on the CPU, 16384 offline and 8192 served
+    on an H100/H200-class GPU, 8192 / 2048 on others (an A100 among them); an explicit value
+    always wins; `minipaged serve` defaults to the server's column."""
+    import types
+
+    import minipaged.config as config_mod
+    from minipaged.cli import serve
+    from minipaged.config import EngineConfig, default_batched_tokens
+    from minipaged.models.config import ModelConfig
+    from minipaged.models.source import resolve_model
+
+    assert default_batched_tokens("cpu", "offline") == default_batched_tokens("cpu", "server") == 2048
+    gpus = {"NVIDIA H200": 140, "NVIDIA A100-SXM4-80GB": 80, "NVIDIA L4": 24}
+    for name, gib in gpus.items():
+        props = types.SimpleNamespace(name=name, total_memory=gib * 2**30)
+        monkeypatch.setattr("torch.cuda.get_device_properties", lambda d, p=props: p)
+        want = (16384, 8192) if name == "NVIDIA H200" else (8192, 2048)
+        assert (default_batched_tokens("cuda", "offline"),
+                default_batched_tokens("cuda", "server")) == want, name
+    model_cfg = ModelConfig.from_dict(resolve_model("dummy:qwen3-0.6b").config)
+    assert EngineConfig(device="cpu").resolve(model_cfg).max_num_batched_tokens == 2048
+    assert EngineConfig(device="cpu", max_num_batched_tokens=512).resolve(
+        model_cfg).max_num_batched_tokens == 512
+    no_chunks = EngineConfig(device="cpu", enable_chunked_prefill=False, max_model_len=4096)
+    assert no_chunks.resolve(model_cfg).max_num_batched_tokens == 4096
+    assert serve.make_parser().parse_args([]).usage_context == "server"
+    assert config_mod.EngineConfig().usage_context == "offline"

@@ -18,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 
 from minipaged import LLM, BeamSearchParams, EngineConfig, RequestError, SamplingParams
 from minipaged.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES
-from minipaged.config import QUANTIZATION_METHODS
+from minipaged.config import QUANTIZATION_METHODS, USAGE_CONTEXTS
 from minipaged.validation import INT32_MAX, SEED_MAX, SEED_MIN
 
 PROPS = settings(max_examples=40, deadline=None)
@@ -148,6 +148,7 @@ CONFIG_FIELDS = {
     "max_model_len": (optional(ints(1, BIG)), bad_ints(1, none_ok=True)),
     "max_num_seqs": (ints(1, BIG), bad_ints(1)),
     "max_num_batched_tokens": (optional(ints(1, BIG)), bad_ints(1, none_ok=True)),
+    "usage_context": (st.sampled_from(USAGE_CONTEXTS), bad_choices(USAGE_CONTEXTS)),
     "block_size": (POWERS_OF_TWO, bad_ints(1) | ints(3, 10**6).filter(lambda b: b & (b - 1))),
     "gpu_memory_utilization": (reals(0, 1, lo_open=True), bad_reals(0, 1, lo_open=True)),
     "num_blocks": (optional(ints(1, BIG)), bad_ints(1, none_ok=True)),

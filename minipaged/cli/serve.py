@@ -107,6 +107,7 @@ def make_parser() -> FlexibleArgumentParser:
                    help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they "
                         "are ended with an error (new requests get 503 meanwhile)")
     add_engine_args(p)  # every EngineConfig field, as in `minipaged generate` and `bench`
+    p.set_defaults(usage_context="server")  # the server's defaults (EngineConfig.resolve)
     c = p.add_argument_group("accepted for vLLM compatibility")
     c.add_argument("--trust-remote-code", action="store_true",
                    help="not needed: minipaged implements the Llama family itself and runs no "
