@@ -13,6 +13,14 @@ the median over rounds of each round's B / A ratio (paired) beside each side's m
     python benchmarks/ab_engine.py --a OLD_DIR --b . --rounds 4 --out FILE.json \
         [--label-a c32a5d0 --label-b HEAD] [--model dummy:qwen3-0.6b --block-size 128]
 
+Two settings of one checkout: the same folder on both sides, each with its own `LLM` keywords
+(JSON) over the common ones; `--block-size 0` / `--max-num-batched-tokens 0` leave a knob to the
+engine's default. The engine with no flags against a tuned one:
+
+    python benchmarks/ab_engine.py --a . --b . --block-size 0 --max-num-batched-tokens 0 \
+        --a-kwargs '{"block_size": 128, "max_num_batched_tokens": 8192}' --label-a tuned \
+        --label-b "no flags" --rounds 4 --out FILE.json
+
 Needs the GPU it is measured on (`--device cpu` runs it anywhere, for a smoke test with
 `--num-requests 4 --model stories260K`).
 """
@@ -44,8 +52,13 @@ def run_side(a: argparse.Namespace) -> dict:
     import torch
 
     from minipaged import LLM, SamplingParams
-    llm = LLM(a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
-              max_num_batched_tokens=a.max_num_batched_tokens, seed=0)
+    kwargs = dict(dtype=a.dtype, device=a.device, seed=0)
+    if a.block_size:
+        kwargs["block_size"] = a.block_size
+    if a.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = a.max_num_batched_tokens
+    kwargs.update(json.loads(a.kwargs))
+    llm = LLM(a.model, **kwargs)
     prompts, max_tokens = workload(a.num_requests, a.max_input, a.max_output)
     if llm.engine.model_config.vocab_size <= 10000:  # a small model (the CPU smoke test)
         prompts = [[t % llm.engine.model_config.vocab_size for t in p] for p in prompts]
@@ -61,8 +74,11 @@ def run_side(a: argparse.Namespace) -> dict:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    cfg = llm.engine.config
     return {"tokens_per_sec": round(tokens / elapsed, 1), "elapsed_sec": round(elapsed, 3),
-            "output_tokens": tokens,
+            "output_tokens": tokens, "block_size": cfg.block_size,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "max_num_seqs": cfg.max_num_seqs, "steps_with_warmup": len(llm.engine.trace),
             "warmup": {"requests": len(prompts), "output_tokens": tokens,
                        "seconds": round(warm_sec, 2)}}
 
@@ -71,6 +87,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--a"), ap.add_argument("--b")
     ap.add_argument("--label-a", default="A"), ap.add_argument("--label-b", default="B")
+    ap.add_argument("--a-kwargs", default="{}", help="JSON: side A's own LLM keywords")
+    ap.add_argument("--b-kwargs", default="{}", help="JSON: side B's own LLM keywords")
+    ap.add_argument("--kwargs", default="{}", help="(internal) this run's own LLM keywords")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--out", default=None)
     ap.add_argument("--run", default=None, help="(internal) time this side's engine once")
@@ -99,7 +118,8 @@ def main() -> None:
             for side in (("a", "b") if r % 2 == 0 else ("b", "a")):
                 path = os.path.join(tmp, f"{side}{r}.json")
                 subprocess.run([sys.executable, __file__, "--run", getattr(a, side),
-                                "--json", path] + engine_args, check=True)
+                                "--json", path, "--kwargs", getattr(a, side + "_kwargs")]
+                               + engine_args, check=True)
                 runs[side].append(json.load(open(path)))
                 print(f"round {r} {getattr(a, 'label_' + side)}: "
                       f"{runs[side][-1]['tokens_per_sec']:,.0f} tok/s", flush=True)
@@ -114,8 +134,8 @@ def main() -> None:
                     f"{a.dtype}, block_size {a.block_size}, max_num_batched_tokens "
                     f"{a.max_num_batched_tokens}; each run after one untimed run of the same",
         "order": "A, B, then B, A, ... (alternating by round)",
-        "a": {"label": a.label_a, "tokens_per_sec": tps["a"], "median": statistics.median(tps["a"])},
-        "b": {"label": a.label_b, "tokens_per_sec": tps["b"], "median": statistics.median(tps["b"])},
+        "a": {"label": a.label_a, "kwargs": json.loads(a.a_kwargs), "tokens_per_sec": tps["a"], "median": statistics.median(tps["a"])},
+        "b": {"label": a.label_b, "kwargs": json.loads(a.b_kwargs), "tokens_per_sec": tps["b"], "median": statistics.median(tps["b"])},
         "b_over_a_per_round": [round(x, 4) for x in paired],
         "b_over_a_paired_median": round(statistics.median(paired), 4),
         "runs": runs}
