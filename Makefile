@@ -9,9 +9,9 @@ PY ?= .venv/bin/python
 # rewrite their JSON in benchmarks/results/ too).
 figures:
 	$(PY) -m minipaged.lessons.figures --out figures
-	$(PY) benchmarks/plot_attention.py
-	$(PY) benchmarks/plot_throughput_gpu.py
-	$(PY) benchmarks/plot_decode_breakdown.py
+	$(PY) benchmarks/plot.py attention
+	$(PY) benchmarks/plot.py throughput
+	$(PY) benchmarks/plot.py decode_breakdown
 	$(PY) benchmarks/sharing.py
 	$(PY) benchmarks/preemption.py --micro --repeats 5
 

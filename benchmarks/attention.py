@@ -14,7 +14,7 @@ H200's measured copy rate is about 4.27 TB/s). Prefill also reports TFLOP/s.
 
     python benchmarks/attention.py                 # table to stdout, JSON to benchmarks/results/
     python benchmarks/attention.py --sweep         # also the tuning sweep (configs x splits)
-    python benchmarks/plot_attention.py            # figures/attention_bandwidth.png from the JSON
+    python benchmarks/plot.py attention          # figures/attention_bandwidth.png from the JSON
     python benchmarks/attention.py --dry-run       # tiny shapes on the CPU (interpreter): plumbing
 """
 from __future__ import annotations

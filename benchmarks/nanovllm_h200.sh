@@ -6,8 +6,8 @@
 #
 # JSON goes to benchmarks/results/ (or $OUT when set); each run prints its table.
 # KV blocks of 128 tokens (nano-vllm uses 256): the decode kernel reads them 3-4% faster than
-# blocks of 16 (benchmarks/attention_workload.py --block-size), and the host builds 8x shorter
-# block tables per step. The engine's default stays 16 (the lessons draw individual blocks).
+# blocks of 16 (benchmarks/experiments/attention_tiles/attention_workload.py --block-size), and
+# the host builds 8x shorter block tables per step. The engine's default stays 16 (the lessons draw individual blocks).
 set -euo pipefail
 out=${OUT:-benchmarks/results}
 bench() { python -m minipaged.cli bench --workload nanovllm --dtype bfloat16 --temperature 0.6 \

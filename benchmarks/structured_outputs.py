@@ -12,7 +12,7 @@ kernel variant met; printed, and "warmup" in the JSON), so a single --runs times
 It prints output tokens/s of each and their ratio to the unconstrained run, and the host time
 `StructuredOutputManager.apply_masks` took per step (one batched fill of the constrained rows'
 bitmasks plus launching `apply_token_bitmask_inplace`; on CUDA the forward runs meanwhile).
-benchmarks/structured_mask_step.py times the fill alone. Writes
+benchmarks/experiments/structured_outputs/structured_mask_step.py times the fill alone. Writes
 benchmarks/results/structured_outputs_cpu_stories260k.json.
 
 On a GPU, with Qwen3-0.6B's shapes and its 151,936-token vocabulary (dummy weights):
@@ -21,7 +21,7 @@ On a GPU, with Qwen3-0.6B's shapes and its 151,936-token vocabulary (dummy weigh
         --dtype bfloat16 --synthetic-vocab --runs 7
 
 Dummy presets have no tokenizer, so `--synthetic-vocab` writes one of the model's vocabulary size
-into a temporary folder first (benchmarks/synthetic_tokenizer.py: byte-level BPE, offline,
+into a temporary folder first (benchmarks/lib/synthetic_tokenizer.py: byte-level BPE, offline,
 deterministic) and passes it as `LLM(..., tokenizer=...)`. There the bitmask is copied to the GPU
 and applied inside the sampling kernels (async scheduling, the CUDA default, fills the masks on
 a worker thread and never calls `apply_masks`, so the mask columns stay empty there). `--runs N`
@@ -56,6 +56,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks" / "lib"))  # synthetic_tokenizer
 
 SCHEMA = {"type": "array", "minItems": 1000, "items": {
     "type": "object", "additionalProperties": False, "required": ["name", "age", "pets"],
@@ -196,7 +197,7 @@ def main() -> None:
                        help="a tokenizer folder (default: the model's)")
     vocab.add_argument("--synthetic-vocab", action="store_true",
                     help="build a byte-level tokenizer of the model's vocabulary size "
-                         "(benchmarks/synthetic_tokenizer.py) and use it")
+                         "(benchmarks/lib/synthetic_tokenizer.py) and use it")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="cap each request's output length (a quick check)")
@@ -324,7 +325,7 @@ def main() -> None:
            else a.model, "device": a.device,
            "async_scheduling": eng.config.async_scheduling,
            "dtype": str(llm.config.dtype),
-           "tokenizer": ("synthetic byte-level BPE (benchmarks/synthetic_tokenizer.py, seed 0)"
+           "tokenizer": ("synthetic byte-level BPE (benchmarks/lib/synthetic_tokenizer.py, seed 0)"
                          if a.synthetic_vocab or a.tiny_model else a.tokenizer or "the model's"),
            "workload": workload, "library": "xgrammar " + version("xgrammar"),
            "vocab_size": eng.model_config.vocab_size, "schema": SCHEMA, "runs": a.runs,

@@ -28,7 +28,7 @@ Phases (`--phases`, default throughput,busbw; `--parity` adds parity), for each 
               Rank 0's collective time includes waiting for the slower ranks.
   parity      stories260K in float32, greedy: the tokens at every N > 1 against N = 1, with
               CUDA graphs on and off (CPU: off only)
-  busbw       all-reduce bus bandwidth (benchmarks/tp_busbw.py, nccl-tests' busbw) at the
+  busbw       all-reduce bus bandwidth (benchmarks/lib/tp_busbw.py, nccl-tests' busbw) at the
               sizes a decode step sends (batch x hidden x bytes, batch 1 .. 256) and a sweep up
               to `--sweep-max-mib`; each step split is then put beside the all-reduce time the
               measured bandwidth predicts for its (1 + 2 x layers) all-reduces
@@ -37,7 +37,7 @@ The NCCL environment variables (NCCL_NVLS_ENABLE and the rest) are left as they 
 Dummy weights (random, fixed seed) for the presets: the speed is the architecture's, the text
 is noise. JSON: benchmarks/results/tp_scaling_<machine>.json ($OUT/... when $OUT is set, or
 --out), rewritten after every row; `--merge` keeps an earlier file's other phases.
-Figure: python benchmarks/plot_tp_scaling.py (figures/tp_scaling_h200.png).
+Figure: python benchmarks/plot.py tp_scaling (figures/tp_scaling_h200.png).
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "lib"))  # tp_busbw
 
 import torch  # noqa: E402
 

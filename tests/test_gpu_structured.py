@@ -22,7 +22,7 @@ def test_structured_outputs_on_gpu_with_a_qwen3_sized_vocabulary(tmp_path):
     from pathlib import Path
     pytest.importorskip("xgrammar")
     from minipaged.structured_output import StructuredOutputsParams
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "lib"))
     from synthetic_tokenizer import write_synthetic_tokenizer
 
     import gc
@@ -117,7 +117,8 @@ def test_structured_outputs_async_scheduling_equals_sync_on_gpu(tmp_path, seeded
     from pathlib import Path
     pytest.importorskip("xgrammar")
     from minipaged.structured_output import StructuredOutputsParams
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    bench = Path(__file__).resolve().parent.parent / "benchmarks"
+    sys.path[:0] = [str(bench), str(bench / "lib")]
     from structured_outputs import SCHEMA
     from synthetic_tokenizer import write_synthetic_tokenizer
 

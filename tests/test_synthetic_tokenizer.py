@@ -1,4 +1,4 @@
-"""benchmarks/synthetic_tokenizer.py: the byte-level tokenizer the structured-outputs benchmark
+"""benchmarks/lib/synthetic_tokenizer.py: the byte-level tokenizer the structured-outputs benchmark
 gives `dummy:qwen3-0.6b` (no tokenizer of its own). It must have exactly the model's 151,936 ids,
 Qwen3's special tokens where the preset's config puts them, round-trip any text, be the same on
 every build, and be read by xgrammar as a byte-level vocabulary that a JSON schema compiles for."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH / "lib"))
 import synthetic_tokenizer as st  # noqa: E402
 from structured_outputs import SCHEMA  # noqa: E402
 

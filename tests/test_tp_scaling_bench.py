@@ -1,4 +1,4 @@
-"""benchmarks/tp_scaling.py and tp_busbw.py: nccl-tests' busbw formula, the message sizes of a
+"""benchmarks/tp_scaling.py and lib/tp_busbw.py: nccl-tests' busbw formula, the message sizes of a
 decode step, the profiler split, and the JSON of a tiny run on the CPU (gloo, two ranks)."""
 import json
 import sys
@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCH))
+sys.path[:0] = [str(BENCH), str(BENCH / "lib")]
 
-import plot_tp_scaling  # noqa: E402
+import plot  # noqa: E402
 import tp_busbw  # noqa: E402
 import tp_scaling  # noqa: E402
 
@@ -87,5 +87,5 @@ def test_tiny_cpu_run_writes_every_phase(tmp_path):
                      "--merge", "--out", str(out)])
     rep = json.loads(out.read_text())
     assert len(rep["throughput"]) == 2 and len(rep["parity"]) == 2
-    plot_tp_scaling.main([str(out), "--out", str(tmp_path / "tp.png")])
+    plot.main(["tp_scaling", "--json", str(out), "--out", str(tmp_path / "tp.png")])
     assert (tmp_path / "tp.png").stat().st_size > 10_000

@@ -235,15 +235,15 @@ def test_decode_breakdown_figure_from_the_stored_h200_run():
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    data = json.loads((root / "benchmarks" / "results" / "decode_breakdown_h200.json").read_text())
+    step = root / "benchmarks" / "experiments" / "decode_step"
+    data = json.loads((step / "decode_breakdown_h200.json").read_text())
     for r in data["rows"]:
         assert sum(r["ms"].values()) + r["idle_ms"] == pytest.approx(r["wall_ms"], rel=0.05)
         assert 0 < r["attention_tbs"] < data["read_ceiling"]["triton_read_tbs"] * 1.05
     fig = viz.plot_decode_breakdown(data)
     assert len(fig.axes) == 2 and len(fig.axes[0].patches) == 6 * len(data["rows"])
     plt.close(fig)
-    spec = importlib.util.spec_from_file_location("decode_breakdown",
-                                                  root / "benchmarks" / "decode_breakdown.py")
+    spec = importlib.util.spec_from_file_location("decode_breakdown", step / "decode_breakdown.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.busy_time([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4

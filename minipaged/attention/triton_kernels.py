@@ -319,10 +319,11 @@ class KernelConfig:
 def decode_config(head_dim: int, group: int, interpret: bool) -> KernelConfig:
     """Decode: one query token per sequence, so one tile holds just the heads of one KV head.
 
-    Memory-bound. On decode steps shaped like a serving workload (benchmarks/attention_workload.py:
-    256 down to 36 sequences, contexts of 100-2,000 keys, H200), tiles of 128 keys on 4 warps with
-    num_stages=2 read fastest: 3.72 / 3.84 / 3.67 / 3.54 / 2.98 TB/s at 256 / 196 / 118 / 83 / 36
-    sequences; 8 warps, 3 stages, 64-key tiles and split-KV at the small batches were all slower.
+    Memory-bound. On decode steps shaped like a serving workload
+    (benchmarks/experiments/attention_tiles/attention_workload.py: 256 down to 36 sequences,
+    contexts of 100-2,000 keys, H200), tiles of 128 keys on 4 warps with num_stages=2 read fastest:
+    3.72 / 3.84 / 3.67 / 3.54 / 2.98 TB/s at 256 / 196 / 118 / 83 / 36 sequences; 8 warps, 3 stages,
+    64-key tiles and split-KV at the small batches were all slower.
     The compiled kernel keeps one K and one V tile in shared memory (72 KB) and uses 168 registers
     per thread: 3 programs per SM, 12 warps (Nsight Compute: 82% of DRAM peak at 256 sequences,
     69% at 36, where fewer programs than SM slots are left). Blocks of 128 tokens read 3-4%

@@ -12,7 +12,8 @@ do in a server): `num_decodes` short requests start first; once all of them deco
 arrives every `arrival_every` steps. Each step's time is its CPU time (`time.process_time`
 around `step()`: another program on the cores does not count), and a decode's inter-token
 latency is the time from the step that gave it a token to the next one that did, read from
-`StepRecord.scheduled`. benchmarks/chunked_prefill_itl.py runs it at larger sizes.
+`StepRecord.scheduled`. benchmarks/experiments/chunked_prefill/chunked_prefill_itl.py runs it at
+larger sizes.
 """
 from __future__ import annotations
 

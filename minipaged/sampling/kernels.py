@@ -200,15 +200,15 @@ class CompiledLaunch:
     """Launch a Triton kernel on the GPU through the variant Triton compiled for the arguments,
     skipping the per-call dispatch of `kernel[grid](...)`.
 
-    That dispatch binds and specialises every argument and looks the variant up: 23 us of host
-    time a launch of masked_argmax_kernel on the H200's host, against 15 us through the compiled
-    variant's launcher (benchmarks/masked_argmax_launch.py), and a host-bound decode step pays it
-    on its critical path. Variants are kept, per device, by what Triton specialises on: each
-    tensor's dtype and whether its address is a multiple of 16, and each integer's value
-    (stricter than Triton's "1 / divisible by 16", so never a wrong variant). The arguments are
-    tensors and ints only, the ints taking few values (strides, sizes); the kernel uses no
-    globals that change and has no pre-run hooks, which Triton's path checks and this one does
-    not. The first launch of a variant, the interpreter, and a launch hook (a profiler) take
+    That dispatch binds and specialises every argument and looks the variant up: 23 us of host time
+    a launch of masked_argmax_kernel on the H200's host, against 15 us through the compiled
+    variant's launcher (benchmarks/experiments/structured_outputs/masked_argmax_launch.py), and a
+    host-bound decode step pays it on its critical path. Variants are kept, per device, by what
+    Triton specialises on: each tensor's dtype and whether its address is a multiple of 16, and each
+    integer's value (stricter than Triton's "1 / divisible by 16", so never a wrong variant). The
+    arguments are tensors and ints only, the ints taking few values (strides, sizes); the kernel
+    uses no globals that change and has no pre-run hooks, which Triton's path checks and this one
+    does not. The first launch of a variant, the interpreter, and a launch hook (a profiler) take
     Triton's own path. (A cache of compiled code, as Triton's own is.)"""
 
     def __init__(self, kernel):
@@ -266,7 +266,8 @@ def masked_argmax(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
     interpret = logits.device.type == "cpu"
     # One program per row walks its row in blocks; wider blocks with more warps were faster on
     # the H200 (64 rows of 151,936 bf16 logits: 50.4 us in blocks of 4,096 with 8 warps, 30.6 us
-    # in 16,384 with 16; benchmarks/masked_argmax_blocks.py), and the host waits for it.
+    # in 16,384 with 16; benchmarks/experiments/structured_outputs/masked_argmax_blocks.py), and
+    # the host waits for it.
     block = min(max(16, triton.next_power_of_2(vocab)), 1024 if interpret else 16384)
     _masked_argmax_launch((rows,), logits, bitmask, masked, keep, out, logits.stride(0),
                           bitmask.stride(0), vocab, BLOCK=block,

@@ -4,7 +4,8 @@ request waits with it (lesson 12).
 Compiling a constraint against a vocabulary is usually quick (the structured-outputs benchmark's
 JSON schema: 18 ms for a vocabulary of Qwen3's 151,936 tokens), but a spec of a few kilobytes can
 take far longer: on 2 CPU cores and that vocabulary, a 13 KB schema of 200 patterned string
-fields took 8.9 s, a 2 KB regex of 120 alternatives 28 s (benchmarks/structured_compile_times.py).
+fields took 8.9 s, a 2 KB regex of 120 alternatives 28 s
+(benchmarks/experiments/structured_outputs/structured_compile_times.py).
 Compiled in `add_request`, on the engine's thread, that would stop every running request for as
 long. So the compile runs on a worker thread (xgrammar's compiler releases
 the GIL while it works):

@@ -76,7 +76,8 @@ class StructuredOutputManager:
         self._compiled: OrderedDict[tuple, object] = OrderedDict()
         self._matchers: weakref.WeakKeyDictionary[Sequence, _Matcher] = weakref.WeakKeyDictionary()
         # threads for a batched fill: half the cores (xgrammar's own default), at most 4 (more
-        # were slower on the H200's 16-core host: benchmarks/structured_fill_threads.py)
+        # were slower on the H200's 16-core host:
+        # benchmarks/experiments/structured_outputs/structured_fill_threads.py)
         self.max_threads = max_threads or max(1, min(4, (os.cpu_count() or 2) // 2))
         self._batch = None  # xgrammar.BatchGrammarMatcher, with the first constrained row
         # host buffers, pinned when the logits are on CUDA, reused each step

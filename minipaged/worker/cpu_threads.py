@@ -5,7 +5,8 @@ the models of the lessons: stories260K's matrices are 64 wide, a layer's ops tak
 and a second thread buys little (1.13x batched, 0.99x for one request, on idle cores). On a
 shared machine it is far worse: when another process holds one of the cores, every parallel op waits
 for the thread that is not running. On 2 shared cores with one of them busy, a 64-wide model
-made 8,618 tok/s at one thread and 558 at torch's default of two (benchmarks/cpu_threads.py).
+made 8,618 tok/s at one thread and 558 at torch's default of two
+(benchmarks/experiments/cpu_path/cpu_threads.py).
 
 The rule, decided once in `EngineConfig.resolve` (`resolve_cpu_threads`) and applied when the
 engine is built (`apply_cpu_threads`, called by `LLMEngine.__init__`):
@@ -32,9 +33,10 @@ from typing import Optional
 
 import torch
 
-# Below this hidden size the default is one thread. benchmarks/cpu_threads.py measured tok/s at
-# 2 threads over 1 (results/cpu_threads_sweep.json: random 4-layer fp32 Llamas on 2 shared cores,
-# 16 requests batched / one request alone; "busy": a `while True: pass` process on one core):
+# Below this hidden size the default is one thread. benchmarks/experiments/cpu_path/cpu_threads.py
+# measured tok/s at 2 threads over 1 (cpu_threads_sweep.json beside it: random 4-layer fp32 Llamas
+# on 2 shared cores, 16 requests batched / one request alone; "busy": a `while True: pass` process
+# on one core):
 #     hidden size        64    128    256    512    1024   2048
 #     idle, batched     1.13   1.21   1.42   1.45   1.68   1.79
 #     idle, alone       0.99   1.05   1.19   1.35   1.78   1.87

@@ -1,7 +1,7 @@
 """Single charts of numbers: throughput, a decode step's time, KV cache size, sampling stages.
 
 `plot_throughput` (tokens/s against a baseline, lessons 00, 03 and 08), `plot_decode_breakdown`
-(where a GPU decode step's milliseconds go, lesson 08 and `benchmarks/plot_decode_breakdown.py`),
+(where a GPU decode step's milliseconds go, lesson 08 and `benchmarks/plot.py decode_breakdown`),
 `plot_kv_cache_size` (GiB of KV cache against tokens, lesson 00), and `sampling_stages` /
 `plot_token_distributions` (probabilities after temperature, top-k, top-p and min-p, lesson 04).
 """
@@ -52,9 +52,9 @@ DECODE_PARTS = [("attention", "tab:blue"), ("matmul", "tab:orange"),
 
 
 def plot_decode_breakdown(data: Mapping):
-    """Two panels from `benchmarks/decode_breakdown.py`'s JSON: ms per decode step stacked by
-    kernel family plus GPU idle time, at each measured point of the run; and attention's achieved
-    read rate against a plain streaming read on the same GPU."""
+    """Two panels from `benchmarks/experiments/decode_step/decode_breakdown.py`'s JSON: ms per
+    decode step stacked by kernel family plus GPU idle time, at each measured point of the run;
+    and attention's achieved read rate against a plain streaming read on the same GPU."""
     rows = data["rows"]
     labels = [f"step {r['decode_step']}\n{r['running']} seqs" for r in rows]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})

@@ -1,7 +1,9 @@
 """Where a decode step's time goes over the nano-vllm run, with CUDA graphs on (the served path).
 
-    python benchmarks/decode_breakdown.py                  # Qwen3-0.6B dummy weights, H200
-    python benchmarks/decode_breakdown.py --block-size 16  # the engine's default blocks
+    # Qwen3-0.6B dummy weights, H200
+    python benchmarks/experiments/decode_step/decode_breakdown.py
+    # the engine's default blocks
+    python benchmarks/experiments/decode_step/decode_breakdown.py --block-size 16
 
 Runs the workload the way `minipaged bench --workload nanovllm` does (256 requests, blocks of 128
 tokens, 8,192 batched tokens), and at a few points of the decode phase (the batch shrinks from
@@ -16,8 +18,8 @@ tokens, 8,192 batched tokens), and at a few points of the decode phase (the batc
   streaming read reaches on the same GPU (a Triton kernel summing a 2 GiB tensor, and torch.sum):
   the ceiling a memory-bound kernel can approach.
 
-JSON to benchmarks/results/decode_breakdown_h200.json (or OUT_JSON); the plot is
-benchmarks/plot_decode_breakdown.py. Lesson 08 reads both.
+JSON to decode_breakdown_h200.json beside this script (or OUT_JSON); the plot is
+`python benchmarks/plot.py decode_breakdown`. Lesson 08 reads both.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from torch.profiler import ProfilerActivity, profile
 from minipaged import LLM, SamplingParams
 from minipaged.lessons.bench import make_workload
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def family(name: str) -> str:
@@ -158,11 +160,12 @@ def main() -> None:
               f"{busy:.2f} + idle {row['idle_ms']:.2f}; " + ", ".join(
                   f"{k} {v:.2f}" for k, v in row["ms"].items())
               + f"; attention {row['attention_tbs']:.2f} TB/s", flush=True)
-    out = os.environ.get("OUT_JSON") or str(ROOT / "benchmarks" / "results" / "decode_breakdown_h200.json")
+    out = (os.environ.get("OUT_JSON")
+           or str(Path(__file__).resolve().parent / "decode_breakdown_h200.json"))
     Path(out).write_text(json.dumps({
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "date": time.strftime("%Y-%m-%d"), "model": a.model, "block_size": a.block_size,
-        "command": "python benchmarks/decode_breakdown.py"
+        "command": "python benchmarks/experiments/decode_step/decode_breakdown.py"
                    + (f" --block-size {a.block_size}" if a.block_size != 128 else ""),
         "read_ceiling": ceiling, "rows": rows}, indent=1))
 

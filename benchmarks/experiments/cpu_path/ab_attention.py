@@ -1,7 +1,7 @@
 """A/B of two attention backends on one engine, in one process, interleaved.
 
-    python benchmarks/ab_attention.py --old torch_ref --new cpu --repeats 8 \
-        --json benchmarks/results/cpu_ab_cpu_backend.json
+    python benchmarks/experiments/cpu_path/ab_attention.py --old torch_ref --new cpu --repeats 8 \
+        --json benchmarks/experiments/cpu_path/cpu_ab_cpu_backend.json
 
 Builds one engine (stories260K, the `minipaged bench --workload cpu` workload, one thread) and
 runs the workload alternately with the engine's attention backend of either class (the order

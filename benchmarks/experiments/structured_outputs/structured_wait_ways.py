@@ -1,17 +1,17 @@
 """How the main thread waits for another thread, against how fast its next GPU calls run.
 
-The main thread's part of a constrained step (the bitmask's copy to the GPU and the masked
-argmax's launch: `token_mask` and `sample_masked`) takes ~3x as long in the engine as back to
-back (benchmarks/structured_fill_threads.py). Here another thread releases a lock 0.2 ms after
-the main thread starts waiting for it (as the grammar worker does), and the main thread waits
-five ways: a blocking acquire; polling with sleep(0), sleep(10 us) or sleep(50 us); spinning on
-sched_yield. Per way: how long after the release the main thread went on, and the host time of
-that step part right after. Each wait follows a CUDA synchronize (the GPU idle); "back to back"
-calls the part in a loop with no wait and no synchronize. Needs a CUDA GPU (~15 s).
+The main thread's part of a constrained step (the bitmask's copy to the GPU and the masked argmax's
+launch: `token_mask` and `sample_masked`) takes ~3x as long in the engine as back to back
+(benchmarks/experiments/structured_outputs/structured_fill_threads.py). Here another thread releases
+a lock 0.2 ms after the main thread starts waiting for it (as the grammar worker does), and the main
+thread waits five ways: a blocking acquire; polling with sleep(0), sleep(10 us) or sleep(50 us);
+spinning on sched_yield. Per way: how long after the release the main thread went on, and the host
+time of that step part right after. Each wait follows a CUDA synchronize (the GPU idle); "back to
+back" calls the part in a loop with no wait and no synchronize. Needs a CUDA GPU (~15 s).
 
-    python benchmarks/structured_wait_ways.py
+    python benchmarks/experiments/structured_outputs/structured_wait_ways.py
 
-writes benchmarks/results/structured_wait_ways_<gpu>.json.
+writes structured_wait_ways_<gpu>.json beside this script.
 """
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "lib"))
 
 
 def blocking(lock) -> None:
@@ -83,9 +84,10 @@ def main() -> None:
     back_to_back = round(1e6 * statistics.median(step_part() for _ in range(300)), 1)
     print(f"back to back: {back_to_back} us")
     gpu = "h200" if "H200" in torch.cuda.get_device_name() else "cuda"
-    path = ROOT / "benchmarks" / "results" / f"structured_wait_ways_{gpu}.json"
+    path = Path(__file__).resolve().parent / f"structured_wait_ways_{gpu}.json"
     path.write_text(json.dumps({
-        "benchmark": "structured_wait_ways", "command": "python benchmarks/structured_wait_ways.py",
+        "benchmark": "structured_wait_ways",
+        "command": "python benchmarks/experiments/structured_outputs/structured_wait_ways.py",
         "rows": ROWS, "vocab": VOCAB, "by_way": results,
         "step_part_us_back_to_back": back_to_back,
         "environment": environment()}, indent=1) + "\n")

@@ -1,6 +1,7 @@
 """Where a second CPU thread pays: tok/s at 1 and N torch threads, by model width, idle and busy.
 
-    python benchmarks/cpu_threads.py --out benchmarks/results/cpu_threads_sweep.json
+    python benchmarks/experiments/cpu_path/cpu_threads.py \
+        --out benchmarks/experiments/cpu_path/cpu_threads_sweep.json
 
 The measurement behind `auto_cpu_threads` (minipaged/worker/cpu_threads.py). For each hidden
 size it builds a random Llama (fp32, 4 layers, head_dim 64 (8 for width 64, as stories260K),
@@ -169,7 +170,8 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     from minipaged.lessons.bench import environment
     report = {"environment": environment() | {"cpu_threads": f"1 and {many}"},
-              "command": "python benchmarks/cpu_threads.py " + " ".join(sys.argv[1:]),
+              "command": ("python benchmarks/experiments/cpu_path/cpu_threads.py "
+                          + " ".join(sys.argv[1:])),
               "model": "random Llama, fp32, 4 layers, vocabulary 512", "rows": rows}
     if a.out:
         with open(a.out, "w") as f:

@@ -1,6 +1,6 @@
 """A/B of `attention/torch_ref.py` against an older revision of it, in one process, interleaved.
 
-    python benchmarks/ab_torch_ref.py --old HEAD~1 --repeats 8
+    python benchmarks/experiments/cpu_path/ab_torch_ref.py --old HEAD~1 --repeats 8
 
 Loads the old file (`git show REV:minipaged/attention/torch_ref.py`) as a second module, builds
 one engine (stories260K, the `minipaged bench --workload cpu` workload, one thread) and runs the

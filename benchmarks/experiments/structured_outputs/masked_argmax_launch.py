@@ -5,11 +5,11 @@ the same logits (an unmasked greedy step's launch, for scale) and on copying a s
 bitmask to the GPU (what `StructuredOutputManager.token_mask` does). 64 rows of Qwen3's 151,936
 bf16 logits, random masks; both launch paths are first checked to give the same tokens. Each
 is timed back to back (warm caches: a step's calls in the engine take longer, see
-benchmarks/structured_fill_threads.py). Needs a CUDA GPU.
+benchmarks/experiments/structured_outputs/structured_fill_threads.py). Needs a CUDA GPU.
 
-    python benchmarks/masked_argmax_launch.py
+    python benchmarks/experiments/structured_outputs/masked_argmax_launch.py
 
-writes benchmarks/results/masked_argmax_launch_<gpu>.json.
+writes masked_argmax_launch_<gpu>.json beside this script.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 
@@ -86,9 +86,10 @@ def main() -> None:
     for name, us in results.items():
         print(f"{name}: {us} us")
     gpu = "h200" if "H200" in torch.cuda.get_device_name() else "cuda"
-    path = ROOT / "benchmarks" / "results" / f"masked_argmax_launch_{gpu}.json"
+    path = Path(__file__).resolve().parent / f"masked_argmax_launch_{gpu}.json"
     path.write_text(json.dumps({
-        "benchmark": "masked_argmax_launch", "command": "python benchmarks/masked_argmax_launch.py",
+        "benchmark": "masked_argmax_launch",
+        "command": "python benchmarks/experiments/structured_outputs/masked_argmax_launch.py",
         "rows": rows, "vocab": vocab, "dtype": "bfloat16", "block": block,
         "num_warps": block // 1024, "host_us_per_call_median": results,
         "triton": triton.__version__, "environment": environment()}, indent=1) + "\n")

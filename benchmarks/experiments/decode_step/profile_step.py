@@ -1,6 +1,7 @@
 """Where one engine step's time goes: Python (schedule, inputs, sampling) vs the GPU.
 
-    python benchmarks/profile_step.py --model dummy:qwen3-0.6b --num-requests 256
+    python benchmarks/experiments/decode_step/profile_step.py --model dummy:qwen3-0.6b \
+        --num-requests 256
 
 Runs the nano-vllm workload under cProfile and prints the functions with the most own time,
 plus the share of wall time spent waiting for the GPU (the sampler's host sync). The workload's

@@ -7,22 +7,26 @@
 # of each round's ratio to its own unconstrained run (paired: drift between rounds moves both
 # sides; the unconstrained run is each round's first, so drift within a round does not cancel).
 #
-#   bash benchmarks/structured_ab.sh A_DIR B_DIR OUT_JSON ROUNDS [benchmark arguments...]
+#   bash benchmarks/experiments/structured_outputs/structured_ab.sh A_DIR B_DIR OUT_JSON ROUNDS \
+#       [benchmark arguments...]
 #
-# On the H200:  bash benchmarks/structured_ab.sh OLD . OUT.json 2 --model dummy:qwen3-0.6b \
+# On the H200:  bash benchmarks/experiments/structured_outputs/structured_ab.sh OLD . OUT.json 2 \
+#                   --model dummy:qwen3-0.6b \
 #                   --device cuda --dtype bfloat16 --synthetic-vocab --runs 3 --breakdown
-# On the CPU:   bash benchmarks/structured_ab.sh OLD . OUT.json 2 --tiny-model \
+# On the CPU:   bash benchmarks/experiments/structured_outputs/structured_ab.sh OLD . OUT.json 2 \
+#                   --tiny-model \
 #                   --async-scheduling --breakdown --runs 3
 # OLD is another checkout, e.g. `mkdir OLD && git archive REV minipaged | tar -x -C OLD`.
 # PYTHON (default `python`) is the interpreter, e.g. PYTHON=.venv/bin/python.
 set -euo pipefail
 a=$(cd "$1" && pwd); b=$(cd "$2" && pwd); out=$3; rounds=$4; shift 4
-here=$(cd "$(dirname "$0")" && pwd)
+bench=$(cd "$(dirname "$0")/../.." && pwd)  # benchmarks/
 tmp=$(mktemp -d)
 for side in a b; do  # the script, beside a link to that side's package (its ROOT is the folder)
   dir=$a; [ "$side" = b ] && dir=$b
-  mkdir -p "$tmp/$side/benchmarks"
-  cp "$here/structured_outputs.py" "$here/synthetic_tokenizer.py" "$tmp/$side/benchmarks/"
+  mkdir -p "$tmp/$side/benchmarks/lib"
+  cp "$bench/structured_outputs.py" "$tmp/$side/benchmarks/"
+  cp "$bench/lib/synthetic_tokenizer.py" "$tmp/$side/benchmarks/lib/"
   ln -s "$dir/minipaged" "$tmp/$side/minipaged"
 done
 for r in $(seq 1 "$rounds"); do
@@ -56,7 +60,8 @@ def medians(side):
 
 med = {s: medians(s) for s in "ab"}
 summary = {"benchmark": "structured_ab",
-           "command": f"bash benchmarks/structured_ab.sh A B OUT {rounds} {args}",
+           "command": ("bash benchmarks/experiments/structured_outputs/structured_ab.sh "
+                       f"A B OUT {rounds} {args}"),
            "order": "A, B alternating", "environment": runs["a"][0]["environment"],
            "a": {"checkout": os.path.basename(a), **med["a"]},
            "b": {"checkout": os.path.basename(b), **med["b"]}, "runs": runs}

@@ -3,7 +3,7 @@
 # the settings of nanovllm_h200.sh), alternating A, B, A, B, ... so that drift of the machine
 # falls on both sides alike. Writes each run's JSON and a summary with the medians and B/A.
 #
-#   bash benchmarks/ab_h200.sh A_DIR B_DIR OUT_JSON [ROUNDS]
+#   bash benchmarks/experiments/engine_ab/ab_h200.sh A_DIR B_DIR OUT_JSON [ROUNDS]
 #
 # A_DIR and B_DIR are checkouts (each run imports the minipaged package found there).
 set -euo pipefail

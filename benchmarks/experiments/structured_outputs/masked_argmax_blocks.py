@@ -3,9 +3,9 @@ block widths and warp counts: GPU time per launch for 64 rows of Qwen3's 151,936
 (random logits and masks; each configuration first checked to give `masked_argmax`'s tokens).
 Needs a CUDA GPU. `masked_argmax` launches the fastest one (blocks of 16,384, 16 warps).
 
-    python benchmarks/masked_argmax_blocks.py
+    python benchmarks/experiments/structured_outputs/masked_argmax_blocks.py
 
-writes benchmarks/results/masked_argmax_blocks_<gpu>.json.
+writes masked_argmax_blocks_<gpu>.json beside this script.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 CONFIGS = [(4096, 8), (2048, 4), (4096, 4), (8192, 8), (8192, 16), (16384, 16), (16384, 32)]
@@ -56,10 +56,11 @@ def main() -> None:
         print(f"BLOCK {block:6d} warps {warps:3d}: {us:6.1f} us")
     gpu = "h200" if "H200" in torch.cuda.get_device_name() else "cuda"
     out = {"benchmark": "masked_argmax_blocks",
-           "command": "python benchmarks/masked_argmax_blocks.py", "rows": rows, "vocab": vocab,
+           "command": "python benchmarks/experiments/structured_outputs/masked_argmax_blocks.py",
+           "rows": rows, "vocab": vocab,
            "dtype": "bfloat16", "launches": launches, "results": results,
            "environment": environment()}
-    path = ROOT / "benchmarks" / "results" / f"masked_argmax_blocks_{gpu}.json"
+    path = Path(__file__).resolve().parent / f"masked_argmax_blocks_{gpu}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     print("wrote", path)
 

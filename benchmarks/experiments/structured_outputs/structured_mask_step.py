@@ -1,10 +1,11 @@
 """The host's grammar work per step, on the CPU: one batched, threaded fill against a loop.
 
-    .venv/bin/python benchmarks/structured_mask_step.py [--rows 64] [--steps 120]
+    .venv/bin/python benchmarks/experiments/structured_outputs/structured_mask_step.py \
+        [--rows 64] [--steps 120]
 
 A micro-benchmark of `StructuredOutputManager`'s per-step mask work, no model: `--rows` sequences,
 each held to benchmarks/structured_outputs.py's JSON schema, over the synthetic Qwen3-sized
-vocabulary (151,936 tokens, benchmarks/synthetic_tokenizer.py). Each step it fills every row's
+vocabulary (151,936 tokens, benchmarks/lib/synthetic_tokenizer.py). Each step it fills every row's
 bitmask
 
   * row by row (`GrammarMatcher.fill_next_token_bitmask` in a Python loop, as the manager did), and
@@ -14,7 +15,7 @@ bitmask
 in an order that rotates each step (so both sides see the same load on a shared machine), checks
 the bitmasks agree, then draws one allowed token per row (seeded), appends it and times the
 per-row `manager.accept` that follows each sampled token. Reports each side's median ms per step
-and the ratio; writes benchmarks/results/structured_mask_step_cpu.json.
+and the ratio; writes benchmarks/experiments/structured_outputs/structured_mask_step_cpu.json.
 """
 from __future__ import annotations
 
@@ -29,9 +30,10 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "lib"))
 
 
 def main() -> None:
@@ -39,7 +41,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--vocab-size", type=int, default=151936)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent
                                          / "structured_mask_step_cpu.json"))
     a = ap.parse_args()
     import numpy as np
@@ -105,7 +107,8 @@ def main() -> None:
     results = {name: {"fill_ms_per_step": m, "speedup_vs_loop": round(base / m, 2)}
                for name, m in ms.items()}
     out = {"benchmark": "structured_mask_step",
-           "command": " ".join(["python benchmarks/structured_mask_step.py", *sys.argv[1:]]),
+           "command": " ".join(["python benchmarks/experiments/structured_outputs/"
+                                 "structured_mask_step.py", *sys.argv[1:]]),
            "rows": a.rows, "steps": a.steps, "warmup_steps_dropped": warm,
            "vocab_size": a.vocab_size, "library": "xgrammar " + version("xgrammar"),
            "cpu_count": os.cpu_count(), "load_average_1min": round(os.getloadavg()[0], 2),

@@ -1,7 +1,8 @@
 """GPU kernel time per decode step, by kernel (torch.profiler), on the nano-vllm workload.
 
-    python benchmarks/profile_kernels.py --steps 30
-    python benchmarks/profile_kernels.py --phase prefill   # the prompt-processing steps instead
+    python benchmarks/experiments/decode_step/profile_kernels.py --steps 30
+    # the prompt-processing steps instead
+    python benchmarks/experiments/decode_step/profile_kernels.py --phase prefill
 
 Admits the whole workload, runs until every prompt is prefilled, then profiles `--steps`
 decode steps eagerly (CUDA graphs hide the kernels from the profiler; the kernels are the same).

@@ -1,6 +1,6 @@
 """A synthetic byte-level BPE tokenizer of a given size, built offline and deterministically.
 
-    python benchmarks/synthetic_tokenizer.py OUT_DIR [--vocab-size 151936]
+    python benchmarks/lib/synthetic_tokenizer.py OUT_DIR [--vocab-size 151936]
 
 Dummy-weight presets (`dummy:qwen3-0.6b`) carry no tokenizer, and a grammar mask needs one: its
 cost per step grows with the vocabulary the matcher walks. `write_synthetic_tokenizer` writes a

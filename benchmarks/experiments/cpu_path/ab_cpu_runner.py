@@ -1,6 +1,7 @@
 """A/B of the readable `ModelRunner` and `CPUModelRunner` on one engine, interleaved.
 
-    python benchmarks/ab_cpu_runner.py --repeats 8 --json benchmarks/results/cpu_ab_cpu_runner.json
+    python benchmarks/experiments/cpu_path/ab_cpu_runner.py --repeats 8 \
+        --json benchmarks/experiments/cpu_path/cpu_ab_cpu_runner.json
 
 Builds one engine (stories260K, the `minipaged bench --workload cpu` workload, one thread) and
 runs the workload alternately with either runner (the order flips every round), after one

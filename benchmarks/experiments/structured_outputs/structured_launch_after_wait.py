@@ -1,21 +1,21 @@
 """Why the main thread's GPU calls of a constrained step run slower after a wait: an idle GPU,
 or the wait itself? And would fewer calls (a CUDA graph) avoid it?
 
-The main thread's part of a constrained step (the bitmask's copy to the GPU and the masked
-argmax's launch) takes several times longer right after a wait for another thread than back to
-back (benchmarks/structured_fill_threads.py, structured_wait_ways.py); every slow case there
-followed a CUDA synchronize, so the GPU was idle at the launch. Here the part runs after each of
-several conditions, with the GPU idle (synchronized) or busy (a 1 ms, or for the sleep 5 ms,
-`torch.cuda._sleep` queued first), the thread going on at once, spinning 0.2 ms (it never leaves
-the CPU), blocking 0.2 ms on a lock another thread releases, or sleeping 3 ms. Three ways to run
-the part, each timed in host microseconds (median of 200): as the engine does (`to` a new device
-tensor, an event recorded, `masked_argmax`), the copy into a preallocated buffer instead, and all
-of it as one CUDA graph replay. For the first two the copy, event and launch are also timed
+The main thread's part of a constrained step (the bitmask's copy to the GPU and the masked argmax's
+launch) takes several times longer right after a wait for another thread than back to back
+(benchmarks/experiments/structured_outputs/structured_fill_threads.py, structured_wait_ways.py);
+every slow case there followed a CUDA synchronize, so the GPU was idle at the launch. Here the part
+runs after each of several conditions, with the GPU idle (synchronized) or busy (a 1 ms, or for the
+sleep 5 ms, `torch.cuda._sleep` queued first), the thread going on at once, spinning 0.2 ms (it
+never leaves the CPU), blocking 0.2 ms on a lock another thread releases, or sleeping 3 ms. Three
+ways to run the part, each timed in host microseconds (median of 200): as the engine does (`to` a
+new device tensor, an event recorded, `masked_argmax`), the copy into a preallocated buffer instead,
+and all of it as one CUDA graph replay. For the first two the copy, event and launch are also timed
 apart. Needs a CUDA GPU (~1 min).
 
-    python benchmarks/structured_launch_after_wait.py
+    python benchmarks/experiments/structured_outputs/structured_launch_after_wait.py
 
-writes benchmarks/results/structured_launch_after_wait_<gpu>.json.
+writes structured_launch_after_wait_<gpu>.json beside this script.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 ROWS, VOCAB = 64, 151936
@@ -124,10 +124,12 @@ def main() -> None:
             results[way][name] = dict(zip(("copy_us", "event_us", "launch_us", "whole_us"), us))
             print(f"{way:17s} {name:32s} {us}")
     gpu = "h200" if "H200" in torch.cuda.get_device_name() else "cuda"
-    path = ROOT / "benchmarks" / "results" / f"structured_launch_after_wait_{gpu}.json"
+    path = Path(__file__).resolve().parent / f"structured_launch_after_wait_{gpu}.json"
     path.write_text(json.dumps({
         "benchmark": "structured_launch_after_wait",
-        "command": "python benchmarks/structured_launch_after_wait.py", "rows": ROWS,
+        "command": ("python benchmarks/experiments/structured_outputs/"
+                    "structured_launch_after_wait.py"),
+        "rows": ROWS,
         "vocab": VOCAB, "host_us_median_of_200": results,
         "environment": environment()}, indent=1) + "\n")
     print("wrote", path)

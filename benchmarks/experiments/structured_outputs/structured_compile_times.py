@@ -1,15 +1,16 @@
 """How long xgrammar takes to compile a constraint for a vocabulary: why a request's grammar is
 compiled off the engine's thread (minipaged/structured_output/compiling.py).
 
-For the synthetic 151,936-token vocabulary of Qwen3's size (benchmarks/synthetic_tokenizer.py)
+For the synthetic 151,936-token vocabulary of Qwen3's size (benchmarks/lib/synthetic_tokenizer.py)
 and for stories260K's 512 tokens, one compile each (the compiler's cache off) of: the
 structured-outputs benchmark's JSON schema; an object of N string fields, each with its own
 pattern; and a regex of M alternatives. Also how far the calling thread got meanwhile when the
 compile ran on another thread (xgrammar releases the GIL: the longest pause of a busy loop).
 
-    .venv/bin/python benchmarks/structured_compile_times.py     # ~2 min on 2 cores
+    # ~2 min on 2 cores
+    .venv/bin/python benchmarks/experiments/structured_outputs/structured_compile_times.py
 
-writes benchmarks/results/structured_compile_times_cpu.json.
+writes benchmarks/experiments/structured_outputs/structured_compile_times_cpu.json.
 """
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "lib"))
 
 
 def specs(fields: int, alternatives: int) -> dict:
@@ -90,10 +92,10 @@ def main() -> None:
                     longest_pause_beside(compiler, kind, spec), 4)
             results[name][what] = row
             print(f"{name:18s} {what:40s} {row}", flush=True)
-    path = ROOT / "benchmarks" / "results" / "structured_compile_times_cpu.json"
+    path = Path(__file__).resolve().parent / "structured_compile_times_cpu.json"
     path.write_text(json.dumps({
         "benchmark": "structured_compile_times",
-        "command": "python benchmarks/structured_compile_times.py"
+        "command": "python benchmarks/experiments/structured_outputs/structured_compile_times.py"
                    f" --fields {a.fields} --alternatives {a.alternatives}",
         "library": "xgrammar " + version("xgrammar"), "by_vocabulary": results,
         "environment": environment()}, indent=1) + "\n")

@@ -1,7 +1,8 @@
 """Chunked prefill and the decodes already running: their inter-token latency while long
 prompts arrive, chunked prefill on (a small max_num_batched_tokens) against off.
 
-    .venv/bin/python benchmarks/chunked_prefill_itl.py          # stories260K on the CPU
+    # stories260K on the CPU
+    .venv/bin/python benchmarks/experiments/chunked_prefill/chunked_prefill_itl.py
 
 `minipaged.lessons.chunked_prefill.measure_decode_itl` (lesson 03 runs it small): 8 short
 requests decode 200 tokens each, greedy, EOS ignored; once they all decode, a 448-token prompt
@@ -13,7 +14,7 @@ make (the 8 decodes for 8 tokens and one long prompt arriving); the JSON keeps w
 ran ("warmup" in each run) and it is printed. Times are CPU time per step
 (`time.process_time`), robust to a busy machine.
 Prints ITL p50/p99 of the running decodes and the long prompts' time to first token, and writes
-benchmarks/results/chunked_prefill_itl_cpu_stories260k.json.
+benchmarks/experiments/chunked_prefill/chunked_prefill_itl_cpu_stories260k.json.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 
@@ -32,8 +33,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-num-batched-tokens", type=int, default=64)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/"
-                                         "chunked_prefill_itl_cpu_stories260k.json"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent
+                                         / "chunked_prefill_itl_cpu_stories260k.json"))
     a = ap.parse_args()
     import torch
 

@@ -2,23 +2,23 @@
 thread's next calls, on a GPU host.
 
 64 matchers of benchmarks/structured_outputs.py's JSON schema over the synthetic 151,936-token
-vocabulary (benchmarks/synthetic_tokenizer.py), each advanced by 0-80 random allowed tokens
+vocabulary (benchmarks/lib/synthetic_tokenizer.py), each advanced by 0-80 random allowed tokens
 (seed 0), are filled in one `BatchGrammarMatcher.batch_fill_next_token_bitmask` call, as
 structured_output/background.py's worker does each step. For each thread count it reports the
 median fill, and the process's CPU time in the 2 ms after a fill while the main thread sleeps
 (do xgrammar's threads spin?).
 
-Beside it, the host time of the main thread's part of a constrained step (the bitmask's copy to
-the GPU and the masked argmax's launch: `token_mask` and `sample_masked`) timed four ways: back
-to back; right after waking from a 0.2 ms wait for another thread (the engine's hand-overs);
-after a 3 ms sleep; right after a fill (the last three each after a CUDA synchronize, the GPU
-idle; benchmarks/structured_wait_ways.py varies the way of waiting). And the cost of one small
-host-to-GPU copy while a fill runs on another thread. Needs a CUDA GPU (~1 min, most of it
-building the tokenizer).
+Beside it, the host time of the main thread's part of a constrained step (the bitmask's copy to the
+GPU and the masked argmax's launch: `token_mask` and `sample_masked`) timed four ways: back to back;
+right after waking from a 0.2 ms wait for another thread (the engine's hand-overs); after a 3 ms
+sleep; right after a fill (the last three each after a CUDA synchronize, the GPU idle;
+benchmarks/experiments/structured_outputs/structured_wait_ways.py varies the way of waiting). And
+the cost of one small host-to-GPU copy while a fill runs on another thread. Needs a CUDA GPU (~1
+min, most of it building the tokenizer).
 
-    python benchmarks/structured_fill_threads.py
+    python benchmarks/experiments/structured_outputs/structured_fill_threads.py
 
-writes benchmarks/results/structured_fill_threads_<gpu>.json.
+writes structured_fill_threads_<gpu>.json beside this script.
 """
 from __future__ import annotations
 
@@ -32,9 +32,10 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "lib"))
 
 ROWS, VOCAB, THREADS = 64, 151936, (8, 4, 2, 1)
 
@@ -155,10 +156,11 @@ def main() -> None:
         print(f"{threads} threads: {by_threads[threads]}")
     print(f"main thread's step part: {main_thread}; small copy alone {median_us(quiet_copy)} us")
     gpu = "h200" if "H200" in torch.cuda.get_device_name() else "cuda"
-    path = ROOT / "benchmarks" / "results" / f"structured_fill_threads_{gpu}.json"
+    path = Path(__file__).resolve().parent / f"structured_fill_threads_{gpu}.json"
     path.write_text(json.dumps({
         "benchmark": "structured_fill_threads",
-        "command": "python benchmarks/structured_fill_threads.py", "rows": ROWS,
+        "command": "python benchmarks/experiments/structured_outputs/structured_fill_threads.py",
+        "rows": ROWS,
         "vocab": VOCAB, "library": "xgrammar " + version("xgrammar"),
         "main_thread_step_part_us": main_thread,
         "small_copy_us_alone": median_us(quiet_copy),

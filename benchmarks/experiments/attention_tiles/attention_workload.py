@@ -7,11 +7,16 @@ attention shapes, bf16, block 16, shuffled blocks; contexts = prompt lengths ran
 plus the tokens generated so far) and times the Triton decode kernel for a grid of tile configs,
 in the batch order the engine uses (longest first) and in arrival order.
 
-    python benchmarks/attention_workload.py             # table to stdout, JSON to benchmarks/results/
-    python benchmarks/attention_workload.py --fp8       # the same over a float8 e4m3 cache
-    python benchmarks/attention_workload.py --head-major  # blocks stored (block, kv_head, slot, dim)
-    python benchmarks/attention_workload.py --block-size 128 --quick   # bigger blocks; 2 configs
-    python benchmarks/attention_workload.py --prefill   # a prefill step: the first prompts, 8,192 tokens
+    # table to stdout, JSON beside this script
+    python benchmarks/experiments/attention_tiles/attention_workload.py
+    # the same over a float8 e4m3 cache
+    python benchmarks/experiments/attention_tiles/attention_workload.py --fp8
+    # blocks stored (block, kv_head, slot, dim)
+    python benchmarks/experiments/attention_tiles/attention_workload.py --head-major
+    # bigger blocks; 2 configs
+    python benchmarks/experiments/attention_tiles/attention_workload.py --block-size 128 --quick
+    # a prefill step: the first prompts, 8,192 tokens
+    python benchmarks/experiments/attention_tiles/attention_workload.py --prefill
 
 Each row also records the compiled kernel's registers, shared memory and whether its K/V loads
 became asynchronous copies (cp.async in the PTX): what decides how many programs share an SM.
@@ -29,7 +34,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# benchmarks/, for attention.py
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import attention as A  # noqa: E402  (shapes, timing, the kernels)
 
 tk = A.tk
@@ -129,7 +135,7 @@ def main():
     kv_dtype = torch.float8_e4m3fn if fp8 else A.DTYPE
     if "--prefill" in sys.argv:
         rows = prefill_main(device, block_size)
-        with open(os.environ.get("OUT_JSON", os.path.join(os.path.dirname(__file__), "results",
+        with open(os.environ.get("OUT_JSON", os.path.join(os.path.dirname(__file__),
                                                           "attention_prefill_h200.json")), "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "triton": A.triton.__version__, "rows": rows}, f, indent=1)
@@ -188,7 +194,7 @@ def main():
     name = ("attention_workload_h200" + ("_fp8" if fp8 else "")
             + ("_head_major" if head_major else "")
             + (f"_block{block_size}" if block_size != A.BLOCK_SIZE else "") + ".json")
-    out = os.path.join(os.path.dirname(__file__), "results", name)
+    out = os.path.join(os.path.dirname(__file__), name)
     with open(os.environ.get("OUT_JSON", out), "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "triton": A.triton.__version__, "rows": rows}, f, indent=1)
