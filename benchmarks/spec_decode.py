@@ -29,7 +29,7 @@ and the share of guesses kept. Writes benchmarks/results/spec_decode_cpu_stories
     n-gram k = 4.
 The issue's goals: one stream of stories260K with n-gram at least 1.8x the tokens/s of off; the
 'off' engine within 3% of the engine before speculative decoding existed (that one needs two
-checkouts: benchmarks/ab_h200.sh).
+checkouts: benchmarks/experiments/engine_ab/ab_h200.sh).
 """
 from __future__ import annotations
 
