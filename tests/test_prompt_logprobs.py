@@ -20,7 +20,7 @@ from minipaged.lessons.baseline import load_hf_model
 from minipaged.models.loader import resolve_builtin
 from minipaged.prompt_logprobs import perplexity, score_prompts
 from minipaged.prompt_logprobs.extension import PromptLogprobsExtension
-from minipaged.prompt_logprobs.runner import PromptLogprobsRunner
+from minipaged.prompt_logprobs.runner import PromptLogprobsRunner, scoring_requests
 from tests.helpers import make_tiny_hf_model
 
 ATOL = 1e-4
@@ -139,11 +139,13 @@ def test_without_skipping_the_prefix_cache_a_hit_is_refused(monkeypatch):
         llm.generate(STORIES[1], greedy(1, prompt_logprobs=0), use_tqdm=False)
 
 
-def test_recompute_preemption_scores_each_position_once(stories_hf):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_scores_each_position_once(stories_hf, mode):
     """A cache too small for the batch: sequences are preempted, some in the middle of their
-    prompt's chunks, and prefill again; their prompt logprobs are neither lost nor repeated."""
+    prompt's chunks, and prefill again (recompute) or come back from the CPU pool (swap);
+    their prompt logprobs are neither lost nor repeated."""
     llm = LLM("stories260K", block_size=4, num_blocks=20, max_model_len=64,
-              max_num_batched_tokens=12, device="cpu")
+              max_num_batched_tokens=12, preemption_mode=mode, swap_space=0.01, device="cpu")
     prompts = STORIES + random_prompts(4, 512, 20, 36, seed=2)
     outs = llm.generate(prompts, greedy(24, prompt_logprobs=3), use_tqdm=False)
     for out in outs:
@@ -190,6 +192,16 @@ def test_lora_adapter_scores_with_its_weights(stories_hf, tmp_path):
     ids = base.prompt_token_ids  # the adapter matters: the test could fail
     assert max(abs(a[t].logprob - b[t].logprob) for a, b, t in zip(
         with_adapter.prompt_logprobs[1:], base.prompt_logprobs[1:], ids[1:])) > 0.1
+
+
+def test_speculative_decoding(stories_hf):
+    """Prompt chunks and verify steps in the same engine (n-gram proposals, lesson 10)."""
+    llm = LLM("stories260K", block_size=8, max_num_batched_tokens=16, device="cpu",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    outs = llm.generate(STORIES, greedy(24, prompt_logprobs=2), use_tqdm=False)
+    for out in outs:
+        check_against_hf(out, stories_hf, 2)
+    assert llm.engine.step_loop.stats.num_accepted_tokens > 0
 
 
 def test_async_scheduling(stories_hf):
@@ -250,11 +262,10 @@ def test_aborted_request_stops_being_scored():
     eng = llm.engine
     eng.add_request("a", STORIES[0], greedy(2, prompt_logprobs=1))
     eng.step()  # its first chunk
-    (wrapper,) = [r for r in (eng.model_runner, getattr(eng.model_runner, "runner", None))
-                  if isinstance(r, PromptLogprobsRunner)]
-    assert list(wrapper.scoring) == ["a"]
+    scoring = scoring_requests(eng.model_runner)
+    assert list(scoring) == ["a"]
     eng.abort_request("a")
-    assert not wrapper.scoring and not eng.has_unfinished_requests()
+    assert not scoring and not eng.has_unfinished_requests()
 
 
 # --- perplexity ---------------------------------------------------------------------------------
