@@ -96,8 +96,10 @@ def test_echo_streamed_equals_whole(client):
     assert tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
     assert lps[0] is None and lps[1:] == pytest.approx(whole.logprobs.token_logprobs[1:],
                                                        abs=1e-6)
-    zero = list(complete(client, max_tokens=0, logprobs=1, echo=True, stream=True))
+    zero = list(complete(client, max_tokens=0, logprobs=1, echo=True, stream=True,
+                         stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in zero if c.choices) == PROMPT
+    assert zero[-1].usage.completion_tokens == 0
 
 
 def test_vllm_prompt_logprobs_field(client, offline):

@@ -89,10 +89,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 finish_reason=reason, stop_reason=stop_reason,
                 prompt_logprobs=vllm_prompt_logprobs(state) if req.prompt_logprobs is not None
                 else None))
-        usage = self.usage(stream)
-        if req.max_tokens == 0:  # the token sampled to end the request is not returned
-            usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
-        resp = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+        resp = CompletionResponse(id=request_id, model=model, choices=choices,
+                                  usage=self.usage(stream, prompt_only=req.max_tokens == 0))
         return JSONResponse(resp.model_dump(exclude_none=True))
 
     def _events(self, stream: RequestStream, req: CompletionRequest, model: str,
@@ -104,7 +102,8 @@ class OpenAIServingCompletion(OpenAIServing):
         return self.stream_events(
             stream, head, self.choices(stream),
             lambda ch: self._chunk(ch, req, hold, states[ch.seq.request_id],
-                                   echo.get(ch.seq.request_id)), include_usage)
+                                   echo.get(ch.seq.request_id)), include_usage,
+            prompt_only=req.max_tokens == 0)
 
     def _chunk(self, ch, req: CompletionRequest, hold: int, state: RequestState,
                echo: Optional[str]):

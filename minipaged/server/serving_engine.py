@@ -265,15 +265,17 @@ class OpenAIServing:
         return stream.states
 
     @staticmethod
-    def usage(stream: RequestStream) -> UsageInfo:
+    def usage(stream: RequestStream, prompt_only: bool = False) -> UsageInfo:
+        """`prompt_only`: echo with max_tokens 0, whose one sampled token is not returned."""
         prompt = sum(len(s.prompt_token_ids) for s in stream.states)  # each prompt counts once
-        completion = sum(s.num_output_tokens for s in stream.states)
+        completion = 0 if prompt_only else sum(s.num_output_tokens for s in stream.states)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
                          total_tokens=prompt + completion)
 
     async def stream_events(self, stream: RequestStream, head: dict, choices: list[Choice],
                             chunk: Callable[[Choice], Optional[dict]], include_usage: bool,
-                            first: Seq[dict] = ()) -> AsyncIterator[str]:
+                            first: Seq[dict] = (), prompt_only: bool = False
+                            ) -> AsyncIterator[str]:
         """The server-sent events of one streamed response, for both endpoints: the choice
         chunks `first` (chat's role chunks), then at every engine step that gave a request new
         tokens, `chunk(choice)` for each of its choices (None: nothing to send yet); the usage
@@ -294,7 +296,8 @@ class OpenAIServing:
                     if body is not None:
                         yield sse(head | {"choices": [body]})
             if include_usage:
-                yield sse(head | {"choices": [], "usage": self.usage(stream).model_dump()})
+                yield sse(head | {"choices": [], "usage": self.usage(stream, prompt_only)
+                                  .model_dump()})
         except Exception as e:  # the engine died or the server is shutting down
             yield self.stream_error(e)
         finally:
