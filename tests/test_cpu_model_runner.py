@@ -18,6 +18,7 @@ from minipaged.attention.cpu_backend import CPUBackend
 from minipaged.attention.torch_ref import paged_attention_reference
 from minipaged.worker.cpu_model_runner import CPUModelRunner
 from minipaged.worker.model_runner import ModelRunner
+from minipaged.worker.wrapper import innermost
 from tests.test_cpu_backend import make_step
 
 # prompt lengths chosen so that the scheduler's order is not the context-length order
@@ -34,14 +35,14 @@ def _decode_step(llm):
 
 
 def test_cpu_backend_engines_get_the_cpu_runner():
-    assert type(LLM("stories260K").engine.model_runner) is CPUModelRunner
+    assert type(innermost(LLM("stories260K").engine.model_runner)) is CPUModelRunner
     llm = LLM("stories260K", attention_backend="torch_ref")
-    assert type(llm.engine.model_runner) is ModelRunner
+    assert type(innermost(llm.engine.model_runner)) is ModelRunner
 
 
 def test_decode_inputs_equal_model_runner_in_length_order():
     llm = LLM("stories260K", block_size=8)
-    runner = llm.engine.model_runner
+    runner = innermost(llm.engine.model_runner)
     sched = _decode_step(llm)
     order = runner.step_order(sched)
     lens = [s.seq.num_computed_tokens for s in order]
@@ -65,7 +66,7 @@ def test_prefill_steps_keep_the_scheduler_order():
     for i, p in enumerate(PROMPTS):
         llm.engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=8))
     sched = llm.engine.scheduler.schedule()  # the prefill step
-    runner = llm.engine.model_runner
+    runner = innermost(llm.engine.model_runner)
     assert runner.step_order(sched) is sched.scheduled
     ids, _, md, rows = runner.prepare_inputs(sched)
     ref_ids, _, ref_md, ref_rows = ModelRunner.prepare_inputs(runner, sched)
@@ -79,7 +80,7 @@ def test_greedy_tokens_equal_model_runner():
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = {}
     for cls in (CPUModelRunner, ModelRunner):
-        llm.engine.model_runner.__class__ = cls
+        innermost(llm.engine.model_runner).__class__ = cls
         res = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         outs[cls] = [o.outputs[0].token_ids for o in res]
     assert outs[CPUModelRunner] == outs[ModelRunner]

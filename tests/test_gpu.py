@@ -121,6 +121,28 @@ def test_same_step_prefix_hits_on_gpu(async_scheduling):
     assert [o.outputs[0].token_ids for o in outs] == _greedy_hf(hf, [prompt], 32) * 8
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prompt_logprobs_on_gpu_equal_hf(async_scheduling):
+    """Prompt logprobs on the GPU path (CUDA graphs for the decodes around them, the GPU
+    runner's step order, chunked prefill): equal to HF's log-softmax within 1e-4 (fp32)."""
+    from tests.test_prompt_logprobs import STORIES, check_against_hf
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()
+    hf = load_hf_model(str(resolve_builtin("stories260K")))  # (on the CPU)
+    llm = LLM("stories260K", device="cuda", block_size=16, max_num_batched_tokens=24,
+              gpu_memory_utilization=0.05, async_scheduling=async_scheduling)
+    scored = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=4)
+    plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = STORIES + _prompts(4, 512, 5)
+    outs = llm.generate(prompts, [scored, plain] * 4, use_tqdm=False)
+    for out in outs[::2]:
+        check_against_hf(out, hf, 4)
+    assert all(o.prompt_logprobs is None for o in outs[1::2])
+    assert [o.outputs[0].token_ids for o in outs] == _greedy_hf(
+        load_hf_model(str(resolve_builtin("stories260K")), torch.float32, "cuda"), prompts, 16)
+
+
 def test_async_scheduling_equals_sync_on_gpu(tmp_path):
     """Greedy and seeded requests end the same with and without async scheduling (CUDA graphs
     on), including stops read a step late."""

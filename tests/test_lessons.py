@@ -11,6 +11,7 @@ from matplotlib.text import Annotation  # noqa: E402
 from minipaged import LLM, SamplingParams  # noqa: E402
 from minipaged.lessons.one_request import (filled_slots, next_decode_slot_mapping,  # noqa: E402
                                            plot_flat_batch)
+from minipaged.worker.wrapper import innermost  # noqa: E402
 from tests.helpers import exercise_cell  # noqa: E402
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "02b_one_request.ipynb"
@@ -30,14 +31,15 @@ def lesson_engine():
 def record_slot_mappings(engine) -> list[list[int]]:
     """Every step's slot_mapping, as the engine's own ModelRunner.prepare_inputs builds it."""
     seen = []
-    real = engine.model_runner.prepare_inputs
+    runner = innermost(engine.model_runner)  # (the runner inside the wrappers builds them)
+    real = runner.prepare_inputs
 
     def recording(sched):
         out = real(sched)
         seen.append(out[2].slot_mapping.tolist())
         return out
 
-    engine.model_runner.prepare_inputs = recording
+    runner.prepare_inputs = recording
     return seen
 
 

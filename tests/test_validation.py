@@ -119,6 +119,7 @@ SAMPLING_FIELDS = {
     "max_tokens": (optional(ints(1, BIG)), bad_ints(1, none_ok=True)),
     "min_tokens": (ints(0, 16), bad_ints(0)),
     "logprobs": (optional(ints(0, BIG)), bad_ints(0, none_ok=True)),
+    "prompt_logprobs": (optional(ints(0, BIG)), bad_ints(0, none_ok=True)),
     "skip_special_tokens": (st.booleans(), bad_bools()),
     "include_stop_str_in_output": (st.booleans(), bad_bools()),
     "detokenize": (st.booleans(), bad_bools()),

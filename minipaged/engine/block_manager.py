@@ -79,9 +79,10 @@ class BlockManager:
         """Longest cached prefix of `seq` in whole blocks: (blocks, number of tokens they hold).
 
         At least one token is always left to compute, because the engine needs the logits of
-        the last token to sample the next one (vLLM does the same).
+        the last token to sample the next one (vLLM does the same). Nothing for a sequence that
+        computes every token (`skip_reading_prefix_cache`: prompt logprobs need them all).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.skip_reading_prefix_cache:
             return [], 0
         bs = self.block_size
         tokens = seq.token_ids

@@ -19,6 +19,8 @@ A step loop that plans differently passes its own `Scheduler` subclass as `base`
     enable_lora                lora/               adapter slots around the linear layers, the
                                                    runner wrapped, a request extension
     structured outputs, n > 1  structured_output/, groups/   request extensions (extensions.py)
+    prompt_logprobs            prompt_logprobs/    a request extension, and the runner wrapped
+                                                   (the prompt rows' logits of scored requests)
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ from minipaged.groups.scheduling import GroupScheduling
 from minipaged.lora.extension import LoRAExtension
 from minipaged.lora.scheduling import LoRAAdmission, lora_hash_key
 from minipaged.models.loader import load_model
+from minipaged.prompt_logprobs.extension import PromptLogprobsExtension
+from minipaged.prompt_logprobs.runner import PromptLogprobsRunner, scoring_requests
 from minipaged.sampling import Sampler
 from minipaged.sampling.kernel_sampler import KernelSampler
 from minipaged.structured_output.extension import StructuredOutputExtension
@@ -111,9 +115,13 @@ def build_kv_block_manager(config, num_blocks: int, kv_cache: torch.Tensor, bloc
 def build_runner(config, model, kv_cache: torch.Tensor, backend, lora_manager,
                  cpu_cache: torch.Tensor | None = None):
     """The model runner the config asks for (worker/__init__.py), wrapped (worker/wrapper.py)
-    by the LoRA manager (each step's tokens mapped to adapter slots first) when adapters are
-    on, and outermost by swap preemption (the swapped blocks moved first: swap/runner.py)."""
+    innermost by prompt logprobs (the prompt rows' logits of scored requests, idle while there
+    are none; not with tensor parallelism: prompt_logprobs/extension.py), by the LoRA manager
+    (each step's tokens mapped to adapter slots first) when adapters are on, and outermost by
+    swap preemption (the swapped blocks moved first: swap/runner.py)."""
     runner = make_model_runner(config, model, kv_cache, backend)
+    if config.tensor_parallel_size == 1:
+        runner = PromptLogprobsRunner(runner)
     if lora_manager is not None:
         runner = lora_manager.wrap_runner(runner)
     if config.preemption_mode == "swap":
@@ -123,13 +131,15 @@ def build_runner(config, model, kv_cache: torch.Tensor, backend, lora_manager,
 
 def build_extensions(engine) -> tuple[Extensions, StructuredOutputExtension]:
     """The request extensions of `engine` (extensions.py), each idle while no request uses it:
-    grammar masks (lesson 12), LoRA adapters (lesson 11), n > 1 and beam search (lesson 06).
+    grammar masks (lesson 12), LoRA adapters (lesson 11), n > 1 and beam search (lesson 06),
+    prompt logprobs (lesson 04, with the runner's registry of the requests it scores).
     Returns them and the structured-output one (the engine keeps its manager)."""
     manager = StructuredOutputManager(engine.tokenizer, engine.model_config.vocab_size,
                                       engine.eos_token_ids, engine.config.max_num_seqs)
     structured = StructuredOutputExtension(manager)
     lora = [] if engine.lora_manager is None else [LoRAExtension(engine.lora_manager)]
-    return Extensions([structured, *lora, GroupExtension(engine)]), structured
+    scoring = PromptLogprobsExtension(scoring_requests(engine.model_runner))
+    return Extensions([structured, *lora, GroupExtension(engine), scoring]), structured
 
 
 def build_block_manager(num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *,

@@ -51,6 +51,8 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)  # arrival / first token / finished times
     error: Optional[str] = None  # set when the request ended with finish_reason "error"
     lora_request: Optional[LoRARequest] = None  # the adapter it ran with (None: the base model)
+    # SamplingParams.prompt_logprobs: per prompt token {token id: Logprob}, None at position 0
+    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
 
 
 def detokenize(tokenizer, prompt_ids: list[int], output_ids: list[int], skip_special: bool) -> str:
@@ -193,7 +195,7 @@ class OutputProcessor:
         return RequestOutput(
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
             outputs=outputs, finished=finished, num_cached_tokens=seq.num_cached_tokens,
-            error=seq.error, lora_request=seq.lora_request,
+            error=seq.error, lora_request=seq.lora_request, prompt_logprobs=seq.prompt_logprobs,
             metrics={"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time,
                      "finished_time": seq.finished_time, "num_preemptions": seq.num_preemptions,
                      # prefix cache: the share of the prompt it served, in tokens and blocks

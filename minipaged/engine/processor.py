@@ -5,9 +5,10 @@
 (`minipaged/validation.py`); `LLMEngine.add_request` checks them again (a field may have been
 changed since) and adds what needs the model and the config: a prompt is text or a list of
 integer token ids inside the vocabulary, stop token ids are inside the vocabulary, and `logprobs`
-is within `max_logprobs`; n samples or beams fit `max_num_seqs` (and beams the cache); a LoRA
-adapter is read and checked (lora/manager.py). A request that fails a check raises
-`RequestError` and nothing is queued (lesson 07: a request's fault is that request's alone).
+and `prompt_logprobs` are within `max_logprobs`; n samples or beams fit `max_num_seqs` (and
+beams the cache); a LoRA adapter is read and checked (lora/manager.py). A request that fails a
+check raises `RequestError` and nothing is queued (lesson 07: a request's fault is that
+request's alone).
 """
 from __future__ import annotations
 
@@ -59,10 +60,12 @@ def validate_params(request_id: str, params, vocab_size: int, max_logprobs: int)
     if bad:
         raise RequestError(f"stop_token_ids must be inside the vocabulary [0, {vocab_size}), "
                            f"got {bad[:5]} (request {request_id!r})")
-    if params.logprobs is not None and 0 <= max_logprobs < params.logprobs:
-        raise RequestError(f"logprobs must be <= max_logprobs ({max_logprobs}), got "
-                           f"{params.logprobs} (request {request_id!r}); raise max_logprobs "
-                           f"(-1: no limit) to ask for more")
+    for field in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, field)
+        if k is not None and 0 <= max_logprobs < k:
+            raise RequestError(f"{field} must be <= max_logprobs ({max_logprobs}), got {k} "
+                               f"(request {request_id!r}); raise max_logprobs (-1: no limit) "
+                               f"to ask for more")
 
 
 def check_lora(request_id: str, lora_request, lora_manager) -> None:

@@ -72,6 +72,10 @@ class Sequence:
     error: Optional[str] = None  # FINISHED_ERROR: what went wrong, for the request's caller
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    # vLLM's name: admitted without looking up the prefix cache (its blocks are still published)
+    skip_reading_prefix_cache: bool = False
+    # SamplingParams.prompt_logprobs: per prompt token, None first (minipaged/prompt_logprobs/)
+    prompt_logprobs: Optional[list[Optional[dict[int, "Logprob"]]]] = None
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
     generator: Optional["torch.Generator"] = None  # per-request RNG when SamplingParams.seed is set

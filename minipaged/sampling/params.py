@@ -38,6 +38,8 @@ class SamplingParams:
     max_tokens: Optional[int] = 16  # None: up to max_model_len
     min_tokens: int = 0
     logprobs: Optional[int] = None  # number of top log-probabilities to return per token
+    # ... per prompt token after the first, besides its own (minipaged/prompt_logprobs/)
+    prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True  # False: outputs carry token ids only (the server's engine core)
@@ -83,6 +85,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got "
                              f"{self.min_tokens}")
         self.logprobs = check_int("logprobs", self.logprobs, lo=0, optional=True)
+        self.prompt_logprobs = check_int("prompt_logprobs", self.prompt_logprobs, lo=0,
+                                         optional=True)
         self.skip_special_tokens = check_bool("skip_special_tokens", self.skip_special_tokens)
         self.include_stop_str_in_output = check_bool("include_stop_str_in_output",
                                                      self.include_stop_str_in_output)

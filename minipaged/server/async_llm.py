@@ -266,8 +266,7 @@ class AsyncLLM:
             for j, token in enumerate(c.new_token_ids):
                 seq.append_token(token)
                 if c.new_logprobs is not None:
-                    seq.logprobs.append({tid: Logprob(lp, rank, self.token_text(tid))
-                                         for tid, lp, rank in c.new_logprobs[j]})
+                    seq.logprobs += self.logprob_entries(c.new_logprobs[j:j + 1])
                 if seq.sampling_params.stop and proc.check_stop_strings(seq):
                     seq.status = SequenceStatus.FINISHED_STOPPED
                     break
@@ -284,6 +283,8 @@ class AsyncLLM:
             elif state.incremental:
                 proc.detokenize(seq)
         state.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            state.prompt_logprobs = self.logprob_entries(delta.prompt_logprobs)
         if delta.error is not None:
             state.error = delta.error
         if new_tokens and m is not None:
@@ -329,6 +330,11 @@ class AsyncLLM:
         if st.spec_num_drafts:
             m.spec_decode_step(st, last)
         self._last_stats = st
+
+    def logprob_entries(self, wire) -> list[Optional[dict[int, Logprob]]]:
+        """Logprobs off the wire (messages.wire_logprobs), each token with its text."""
+        return [None if e is None else {tid: Logprob(lp, rank, self.token_text(tid))
+                                        for tid, lp, rank in e} for e in wire]
 
     def token_text(self, token_id: int) -> str:
         """One token as text, for logprobs: decoded after an anchor token and cut off again, so

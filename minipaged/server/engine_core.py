@@ -44,7 +44,8 @@ from minipaged.config import EngineConfig
 from minipaged.engine.output import RequestOutput
 from minipaged.server.messages import (AbortRequests, Accepted, AddRequest, CompletionDelta, Dead,
                                        EngineStats, Ready, RequestDelta, RequestTimes, Shutdown,
-                                       StepOutputs, encoder, output_decoder, request_decoder)
+                                       StepOutputs, encoder, output_decoder, request_decoder,
+                                       wire_logprobs)
 from minipaged.spec_decode.step_loop import SpecDecodeStepLoop
 
 logger = logging.getLogger("minipaged.server")
@@ -64,6 +65,7 @@ class EngineCore:
         self.engine = LLMEngine(config)  # step() returns finished requests; the rest is read
         # from the live sequences (`_live_delta`): no RequestOutput per token per request
         self.sent: dict[str, list[int]] = {}  # request id -> tokens sent so far, per sample
+        self.prompt_logprobs_due: set[str] = set()  # asked for prompt logprobs, not sent yet
         self.first_scheduled: dict[str, float] = {}
         self._last_record = None  # the newest StepRecord already looked at
         self.accepted: list[str] = []
@@ -102,6 +104,8 @@ class EngineCore:
             self.rejected.append((msg.request_id, str(e)))
             return
         self.sent[msg.request_id] = [0] * params.n
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs_due.add(msg.request_id)
         self.accepted.append(msg.request_id)
 
     def take_acks(self) -> Optional[Accepted]:
@@ -133,15 +137,24 @@ class EngineCore:
             if end > start:
                 lps = None
                 if seq.logprobs is not None:
-                    lps = [[(tid, lp.logprob, lp.rank) for tid, lp in entry.items()]
-                           for entry in seq.logprobs[start:end]]
+                    lps = wire_logprobs(seq.logprobs[start:end])
                 completions.append(CompletionDelta(
                     seq.index, seq.output_token_ids[start:end], lps,
                     seq.cumulative_logprob if lps is not None else None))
                 sent[seq.index] = end
         if not completions:
             return None
-        return RequestDelta(request_id, completions, num_cached_tokens=seqs[0].num_cached_tokens)
+        return RequestDelta(request_id, completions, num_cached_tokens=seqs[0].num_cached_tokens,
+                            prompt_logprobs=self._prompt_logprobs(
+                                request_id, seqs[0].prompt_logprobs, seqs[0].num_prompt_tokens))
+
+    def _prompt_logprobs(self, request_id: str, entries, num_prompt_tokens: int):
+        """A request's prompt logprobs for the wire, the first time they are complete."""
+        if (request_id not in self.prompt_logprobs_due or entries is None
+                or len(entries) < num_prompt_tokens):
+            return None
+        self.prompt_logprobs_due.discard(request_id)
+        return wire_logprobs(entries)
 
     def _note_scheduled(self) -> None:
         """When each request was first scheduled (queue time = that - arrival), from the trace."""
@@ -165,11 +178,12 @@ class EngineCore:
                 continue
             lps = None
             if c.logprobs is not None:
-                lps = [[(tid, lp.logprob, lp.rank) for tid, lp in entry.items()]
-                       for entry in c.logprobs[start:len(c.token_ids)]]
+                lps = wire_logprobs(c.logprobs[start:len(c.token_ids)])
             completions.append(CompletionDelta(c.index, new, lps, c.cumulative_logprob,
                                                c.finish_reason, c.stop_reason))
             sent[c.index] = len(c.token_ids)
+        prompt_logprobs = self._prompt_logprobs(out.request_id, out.prompt_logprobs,
+                                                len(out.prompt_token_ids))
         times = None
         if out.finished:
             m = out.metrics
@@ -178,11 +192,12 @@ class EngineCore:
                                  m.get("first_token_time"), m.get("finished_time") or time.time())
             self._forget(out.request_id)
         return RequestDelta(out.request_id, completions, out.finished, out.error,
-                            out.num_cached_tokens, times)
+                            out.num_cached_tokens, times, prompt_logprobs)
 
     def _forget(self, request_id: str) -> None:
         self.sent.pop(request_id, None)
         self.first_scheduled.pop(request_id, None)
+        self.prompt_logprobs_due.discard(request_id)
 
     def stats(self) -> EngineStats:
         eng = self.engine

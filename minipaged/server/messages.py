@@ -10,8 +10,9 @@ a surprise later). Nothing is pickled, so a message can never run code when it i
                                    StepOutputs (once per step), Dead (the core is stopping)
 
 `StepOutputs` carries only what is new since the last step: per request the newly sampled token
-ids of each sample (and their logprobs), and how it finished. The API server keeps the rest
-(text, stop strings, the whole token list).
+ids of each sample (and their logprobs), and how it finished; a request's prompt logprobs come
+once, with its first tokens. The API server keeps the rest (text, stop strings, the whole token
+list).
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class CompletionDelta(msgspec.Struct, array_like=True):
     index: int  # which of the request's n samples
     new_token_ids: list[int]
     # per new token: [(token id, logprob, rank), ...] for the sampled token and the top ones
-    new_logprobs: Optional[list[list[tuple[int, float, int]]]] = None
+    new_logprobs: Optional[list[Optional[list[tuple[int, float, int]]]]] = None
     cumulative_logprob: Optional[float] = None
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error" | None: running
     stop_reason: Optional[Union[int, str]] = None
@@ -57,6 +58,10 @@ class RequestTimes(msgspec.Struct, array_like=True):
     finished: float
 
 
+# per token: [(token id, logprob, rank), ...]: the token itself and the top ones (or None)
+WireLogprobs = list[Optional[list[tuple[int, float, int]]]]
+
+
 class RequestDelta(msgspec.Struct, array_like=True):
     request_id: str
     completions: list[CompletionDelta]
@@ -64,6 +69,7 @@ class RequestDelta(msgspec.Struct, array_like=True):
     error: Optional[str] = None  # finish_reason "error": what raised while it was stepped
     num_cached_tokens: int = 0
     times: Optional[RequestTimes] = None  # only once finished
+    prompt_logprobs: Optional[WireLogprobs] = None  # once, with its first tokens (None first)
 
 
 class EngineStats(msgspec.Struct, array_like=True):
@@ -101,6 +107,13 @@ class Dead(msgspec.Struct, tag="dead", array_like=True):
 
 CoreRequest = Union[AddRequest, AbortRequests, Shutdown]
 CoreOutput = Union[Ready, Accepted, StepOutputs, Dead]
+
+
+def wire_logprobs(entries) -> WireLogprobs:
+    """{token id: Logprob} entries (None stays None) as plain tuples for msgpack."""
+    return [None if e is None else [(tid, lp.logprob, lp.rank) for tid, lp in e.items()]
+            for e in entries]
+
 
 encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(CoreRequest)

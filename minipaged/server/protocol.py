@@ -107,7 +107,13 @@ class CompletionRequest(SamplingFields):
     max_tokens: Optional[int] = Field(16, description="OpenAI's default for completions is 16")
     logprobs: Optional[int] = Field(None, ge=0,
                                     description="return the top-N log-probabilities per token")
-    echo: bool = Field(False, description="not supported (400 if true)")
+    echo: bool = Field(False, description="the prompt, then the completion: in `text`, and in "
+                                          "`logprobs` (the first prompt token's is null); with "
+                                          "max_tokens 0, the prompt alone")
+    prompt_logprobs: Optional[int] = Field(
+        None, ge=0, description="vLLM extension: the top-N log-probabilities at every prompt "
+                                "token, in each choice's `prompt_logprobs` (default with echo: "
+                                "logprobs)")
     suffix: Optional[str] = Field(None, description="not supported (400 if set)")
     best_of: Optional[int] = Field(None, description="only None or equal to n")
 
@@ -135,12 +141,22 @@ class CompletionLogprobs(OpenAIBaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIBaseModel):
+    """vLLM's `Logprob`, as its completions endpoint returns prompt logprobs."""
+
+    logprob: float
+    rank: int
+    decoded_token: Optional[str] = None
+
+
 class CompletionChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    # vLLM's: per prompt token {token id: PromptLogprob}, null for the first (prompt_logprobs)
+    prompt_logprobs: Optional[list[Optional[dict[int, PromptLogprob]]]] = None
 
 
 class CompletionResponse(OpenAIBaseModel):

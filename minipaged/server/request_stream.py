@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 from minipaged.engine.sequence import Sequence
+from minipaged.sampling import Logprob
 
 
 @dataclass
@@ -40,6 +41,8 @@ class RequestState:
     incremental: bool  # decode text as tokens arrive (streaming or stop strings)
     error: Optional[str] = None
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: per prompt token {token id: Logprob}, None first
+    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
     finished: bool = False
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None

@@ -191,9 +191,11 @@ class OpenAIServing:
 
     def sampling_params(self, req: SamplingFields, *, max_tokens: Optional[int],
                         logprobs: Optional[int], logprobs_field: str,
-                        structured_outputs=None) -> SamplingParams:
+                        structured_outputs=None,
+                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
         """`structured_outputs`: a constraint the endpoint sets (a forced tool call); else the
-        request's own (response_format, structured_outputs, guided_*)."""
+        request's own (response_format, structured_outputs, guided_*). `prompt_logprobs`: the
+        completions endpoint's (its own field, or `logprobs` with `echo`)."""
         if structured_outputs is None:
             structured_outputs = request_structured_outputs(req, OpenAIError)
         if structured_outputs is not None and self.tokenizer is None:
@@ -201,9 +203,10 @@ class OpenAIServing:
                               "none (dummy weights?)", param="structured_outputs")
         if req.logit_bias:
             raise OpenAIError("logit_bias is not supported by minipaged", param="logit_bias")
-        if logprobs is not None and logprobs > self.max_logprobs:
-            raise OpenAIError(f"{logprobs_field} must be at most {self.max_logprobs} (the "
-                              f"server's --max-logprobs), got {logprobs}", param=logprobs_field)
+        for field, k in ((logprobs_field, logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if k is not None and 0 <= self.max_logprobs < k:
+                raise OpenAIError(f"{field} must be at most {self.max_logprobs} (the server's "
+                                  f"--max-logprobs), got {k}", param=field)
         if req.stop and self.tokenizer is None:
             raise OpenAIError("stop strings need a tokenizer to detokenize the output, and this "
                               "model has none; use stop_token_ids", param="stop")
@@ -217,7 +220,8 @@ class OpenAIServing:
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens,
-                logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 structured_outputs=structured_outputs)
         except ValueError as e:  # SamplingParams' own checks say what is wrong and why
@@ -261,15 +265,17 @@ class OpenAIServing:
         return stream.states
 
     @staticmethod
-    def usage(stream: RequestStream) -> UsageInfo:
+    def usage(stream: RequestStream, prompt_only: bool = False) -> UsageInfo:
+        """`prompt_only`: echo with max_tokens 0, whose one sampled token is not returned."""
         prompt = sum(len(s.prompt_token_ids) for s in stream.states)  # each prompt counts once
-        completion = sum(s.num_output_tokens for s in stream.states)
+        completion = 0 if prompt_only else sum(s.num_output_tokens for s in stream.states)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
                          total_tokens=prompt + completion)
 
     async def stream_events(self, stream: RequestStream, head: dict, choices: list[Choice],
                             chunk: Callable[[Choice], Optional[dict]], include_usage: bool,
-                            first: Seq[dict] = ()) -> AsyncIterator[str]:
+                            first: Seq[dict] = (), prompt_only: bool = False
+                            ) -> AsyncIterator[str]:
         """The server-sent events of one streamed response, for both endpoints: the choice
         chunks `first` (chat's role chunks), then at every engine step that gave a request new
         tokens, `chunk(choice)` for each of its choices (None: nothing to send yet); the usage
@@ -290,7 +296,8 @@ class OpenAIServing:
                     if body is not None:
                         yield sse(head | {"choices": [body]})
             if include_usage:
-                yield sse(head | {"choices": [], "usage": self.usage(stream).model_dump()})
+                yield sse(head | {"choices": [], "usage": self.usage(stream, prompt_only)
+                                  .model_dump()})
         except Exception as e:  # the engine died or the server is shutting down
             yield self.stream_error(e)
         finally:

@@ -6,10 +6,13 @@ its variants) once, when the engine is built (lessons 06, 09, 11):
     lora/runner.py        LoRAModelRunner    maps the step's tokens to adapter slots first
     worker/tp_worker.py   TPDriverRunner     broadcasts the step to the tensor-parallel workers
     swap/runner.py        SwapModelRunner    moves swapped blocks between the GPU and the CPU pool
+    prompt_logprobs/runner.py  PromptLogprobsRunner  the logits of scored prompts' rows too
+                                                     (innermost; every single-device engine)
 
 `RunnerWrapper` delegates every method and attribute the engine, the step loops and the tests
 use, each written out: a reader finds what a wrapper changes by reading its class, and a name
-the wrapped runner lacks fails here rather than somewhere deep inside it.
+the wrapped runner lacks fails here rather than somewhere deep inside it. `innermost(runner)`
+is the runner they all wrap.
 """
 from __future__ import annotations
 
@@ -62,3 +65,10 @@ class RunnerWrapper:
     def cuda_graphs(self):
         """The wrapped runner's `CUDAGraphs` (worker/cuda_graphs.py), or None."""
         return self.runner.cuda_graphs
+
+
+def innermost(runner):
+    """The runner at the centre of `runner`'s wrappers: the one that runs the model."""
+    while isinstance(runner, RunnerWrapper):
+        runner = runner.runner
+    return runner

@@ -21,6 +21,7 @@ from minipaged import LLM
 from minipaged.worker import direct_calls
 from minipaged.worker.cpu_model_runner import CPUModelRunner
 from minipaged.worker.model_runner import ModelRunner
+from minipaged.worker.wrapper import innermost
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--parts", default="all", choices=["all", "order", "calls"])
@@ -29,7 +30,7 @@ ap.add_argument("--json", default=None)
 a = ap.parse_args()
 
 llm = LLM("stories260K", cpu_threads=1)  # the CPU backend: CPUModelRunner, modules converted
-runner, model = llm.engine.model_runner, llm.engine.model
+runner, model = innermost(llm.engine.model_runner), llm.engine.model
 modules = [m for m in model.modules() if m is not model]
 plain = {m: type(m).__mro__[1] if "__call__" in vars(type(m)) else type(m) for m in modules}
 
