@@ -298,7 +298,10 @@ def device_class(device: str) -> str:
     if not device.startswith("cuda"):
         return "cpu"
     import torch
-    props = torch.cuda.get_device_properties(torch.device(device))
+    try:
+        props = torch.cuda.get_device_properties(torch.device(device))
+    except Exception:  # (no device to ask: vLLM takes the smaller defaults then too)
+        return "gpu"
     large = props.total_memory >= 70 * GiB and "a100" not in props.name.lower()
     return "large_gpu" if large else "gpu"
 
