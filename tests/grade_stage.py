@@ -1,6 +1,6 @@
 """Grade one stage of the build track several times in one process (tests/test_exercises.py).
 
-    python tests/grade_stage.py NAME OUT_DIR LABEL=FILE[:PYTEST_ARG,...] ...
+    python -m tests.grade_stage NAME OUT_DIR LABEL=FILE[:PYTEST_ARG,...] ...   (from the root)
 
 Each LABEL runs pytest on the stage's graders with FILE's functions swapped in, with exactly
 the arguments `minipaged exercise check` passes (cli.grader_args), and writes OUT_DIR/LABEL.xml

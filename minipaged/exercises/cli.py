@@ -65,6 +65,16 @@ def state_word(status) -> str:
     return status.state
 
 
+def child_env() -> dict:
+    """The environment of `check`'s and `capstone`'s fresh process: this very package first on
+    the path (not another copy installed elsewhere), one OpenMP thread (the models are tiny)."""
+    env = dict(os.environ)
+    here = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
 def cmd_list(a) -> int:
     rows = []
     for i, st in enumerate(STAGES, 1):
@@ -146,9 +156,7 @@ def run_graders(stage: Stage, path: Path, pytest_args: list[str],
               "run from a clone of the project (pip install -e .)", file=sys.stderr)
         return 2
     cmd = [sys.executable, "-m", "pytest", *grader_args(stage, path, record, pytest_args)]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # the test models are tiny (tests/conftest.py)
-    return subprocess.call(cmd, cwd=REPO_ROOT, env=env)
+    return subprocess.call(cmd, cwd=REPO_ROOT, env=child_env())
 
 
 def cmd_check(a) -> int:
@@ -219,9 +227,7 @@ def cmd_solution(a) -> int:
 def cmd_capstone(a) -> int:
     cmd = [sys.executable, "-m", "minipaged.exercises.capstone", "--dir", str(a.dir),
            "--out", str(a.out or Path(a.dir) / "capstone")]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.call(cmd, env=env)
+    return subprocess.call(cmd, env=child_env())
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -178,9 +178,8 @@ STAGES: tuple[Stage, ...] = (
         concepts=(
             Concept("one step's phases in order: plan, run, update, sample and process", L02B,
                     "6. Logits, the sampler, and the engine's bookkeeping",
-                    ("tests/test_parity.py::test_stories260k_matches_source_md",
-                     "tests/test_engine.py::test_text_prompt_and_greedy_text",
-                     "tests/test_lessons.py::test_next_decode_slot_mapping_matches_the_engine")),
+                    ("tests/test_engine.py::test_text_prompt_and_greedy_text",
+                     "tests/test_engine.py::test_logprobs")),
             Concept("stop checks: EOS, stop tokens, max_tokens, max_model_len", L02B,
                     "6. Logits, the sampler, and the engine's bookkeeping",
                     ("tests/test_engine.py::test_stop_token_ids",
@@ -218,8 +217,7 @@ STAGES: tuple[Stage, ...] = (
                      "shared_prompt_once[torch_ref]")),
             Concept("iteration-level scheduling runs every workload to completion", L03,
                     "2. The course note's example: A finishes, E takes its seat",
-                    _tests(SCHED, "test_random_workloads_run_to_completion")
-                    + (PREEMPTION_PARITY,)),
+                    _tests(SCHED, "test_random_workloads_run_to_completion")),
         ),
         needs="block_manager: get_computed_blocks, can_allocate, allocate",
         capstone="every request of every run is admitted by you"),
