@@ -28,7 +28,7 @@ from minipaged.engine.block_manager import BlockManager
 from minipaged.exercises import STAGES, get_stage
 from minipaged.exercises.capstone import (Check, Workspace, read_workspace, run_check,
                                           swap_workspace)
-from minipaged.exercises.cli import child_env
+from minipaged.exercises.cli import child_env, markdown_table
 from minipaged.exercises.grading import (ExerciseFileError, is_written, load_learner_module,
                                          resolve, solution_lines, solution_source, swap_in,
                                          undo_swap, unwrap)
@@ -399,6 +399,24 @@ def test_start_lays_out_the_workspace_and_keeps_a_learners_work(tmp_path, monkey
     assert minipaged_main(["exercise", "start", "online_softmax", "--force"]) == 0
     assert mine.read_text() == get_stage("online_softmax").skeleton_path.read_text()
     assert minipaged_main(["exercise", "start", "nope"]) == 2
+
+
+def test_readme_and_the_book_show_the_track_as_it_is():
+    table = markdown_table()
+    for doc in ("README.md", "docs/build_track.md", "docs/index.md"):
+        assert table in (ROOT / doc).read_text(), f"{doc}: `minipaged exercise list --markdown`"
+
+
+def test_lessons_end_by_pointing_at_their_stages():
+    for lesson in sorted({st.lesson for st in STAGES}):
+        nb = json.loads((ROOT / "notebooks" / f"{lesson}.ipynb").read_text())
+        last = nb["cells"][-1]
+        text = "".join(last["source"])
+        assert last["cell_type"] == "markdown" and last["id"] == "build-it-yourself", lesson
+        for st in STAGES:
+            if st.lesson == lesson:
+                assert f"minipaged exercise check {st.name}" in text, (lesson, st.name)
+        assert "../docs/build_track.md" in text
 
 
 def test_solution_is_the_project_code_in_the_skeleton():

@@ -26,9 +26,9 @@ prefix cache again if its step never runs: its sequence preempted in the pass th
 (`cache_full_blocks`, from `free`), or the forward raised (`drop_uncomputed_blocks`, as the next
 pass starts).
 
-Build it yourself (lesson 02): `minipaged exercise start block_manager` hands you `_needs_cow`,
-`append_slots`, `fork` and `free` to write; `minipaged exercise check block_manager` runs this
-file's tests with yours in place (minipaged/exercises/).
+Build it yourself (lesson 02): stages `block_allocator` and `block_manager` of the build track
+(`minipaged exercise list`, minipaged/exercises/) have you write the allocator and this class's
+central methods; `minipaged exercise check block_manager` runs this file's tests with yours.
 """
 from __future__ import annotations
 

@@ -25,8 +25,8 @@ folder; engine/build.py composes the ones the config turns on into one class, on
 for forks, gangs preempted together), `preempt` (the preemption mode: recompute here, or to a
 CPU pool) and the queues' bookkeeping (`enter_running`, `leave_running`, `finish`, `seqs`).
 
-Build it yourself (lesson 03): `minipaged exercise start scheduler` hands you `_schedule_running`
-(steps 1 and 2, preemption included) to write; `minipaged exercise check scheduler` grades it.
+Build it yourself (lesson 03): stages `admission` (`schedule`, step 3) and `scheduler` (steps 1
+and 2, preemption) of the build track (`minipaged exercise list`) have you write this file.
 """
 from __future__ import annotations
 

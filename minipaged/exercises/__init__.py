@@ -24,6 +24,7 @@ skeleton with every function body replaced by the real one's source (grading.sol
     plugin.py    the pytest plugin `check` runs the graders with (`-p minipaged.exercises.plugin`)
     progress.py  the workspace's record: checks, hints given, what `status` shows
     capstone.py  the whole engine with the learner's stages in, against Hugging Face
+    capstone_report.py   the capstone's figures (the learner's trace) and printout
     cli.py       `minipaged exercise ...`
 """
 from __future__ import annotations

@@ -57,6 +57,16 @@ def functions_of(stage: Stage) -> str:
     return f"{', '.join(parts)} ({', '.join(modules)})"
 
 
+def markdown_table() -> str:
+    """The track as the README and the book show it (tests/test_exercises.py keeps them equal)."""
+    rows = ["| # | stage | lesson | what you write | about |", "|---:|---|---|---|---:|"]
+    for i, st in enumerate(STAGES, 1):
+        names = functions_of(st).rsplit(" (", 1)[0]
+        rows.append(f"| {i} | `{st.name}` | [{st.lesson_number}](notebooks/{st.lesson}.ipynb) | "
+                    f"{st.title}: `{names}` | {st.minutes} min |")
+    return "\n".join(rows)
+
+
 def state_word(status) -> str:
     if status.done:
         return "done"
@@ -76,6 +86,9 @@ def child_env() -> dict:
 
 
 def cmd_list(a) -> int:
+    if a.markdown:
+        print(markdown_table())
+        return 0
     rows = []
     for i, st in enumerate(STAGES, 1):
         rows.append((str(i), st.name, st.lesson_number, f"{st.minutes} min",
@@ -242,7 +255,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                        help="the workspace (default: exercises/)")
         return p
 
-    add("list", "the stages in lesson order, what each asks")
+    ls = add("list", "the stages in lesson order, what each asks")
+    ls.add_argument("--markdown", action="store_true", help="as the table of README.md")
     s = add("start", "lay out the workspace: the skeleton of every stage (or of NAME ...)")
     s.add_argument("names", nargs="*", metavar="NAME", help="stages (default: all of them)")
     s.add_argument("--file", help="write the one stage's skeleton here instead")

@@ -28,7 +28,8 @@ HINTS: dict[str, tuple[str, str, str]] = {
         "get_computed_blocks walks tokens[:-1] in whole blocks (range(0, len - 1 - bs + 1, bs)), "
         "chaining each hash on the previous one. can_allocate / can_append count fresh blocks "
         "plus revived hits (ref_count 0) / the copy-on-write block. allocate and append_slots "
-        "end by publishing what the step fills: cache_blocks(seq, total). free calls "
+        "end by publishing what the step fills: cache_blocks(seq, total), which hashes only "
+        "full blocks of known tokens past those already in _hashes. free calls "
         "cache_full_blocks(seq) before it drops the table, then decrefs in reverse.",
         "allocate: incref hits; table = hit ids + [allocator.allocate().block_id for the rest "
         "of num_blocks_for(cached + n)]; block_tables / num_block_refs += len / num_slots = "
@@ -39,7 +40,13 @@ HINTS: dict[str, tuple[str, str, str]] = {
         "append_slots: idx = _needs_cow(seq); if idx is not None: dst = allocate(), "
         "decref(src), table[idx] = dst, copies.append((src, dst)); append blocks while "
         "len(table) < num_blocks_for(computed + n); num_slots = max(old, total); "
-        "cache_blocks(seq, total); return copies."),
+        "cache_blocks(seq, total); return copies.\n"
+        "cache_blocks: known = min(num_tokens, seq.num_tokens); return if caching is off or "
+        "known // bs <= len(hashes); for i in range(len(hashes), min(known // bs, len(table))): "
+        "chunk = tokens of block i; h = hash_block(hashes[-1] or None, chunk, key); "
+        "hashes.append(h); allocator.register(block, h, chunk, key); if (i + 1) * bs > "
+        "num_computed_tokens and block.block_hash == h: _uncomputed[id] = (seq, i, h), "
+        "_uncomputed_of[seq_id].append(id)."),
     "prepare_inputs": (
         "The model has no batch dimension: every new token of every scheduled sequence is laid "
         "end to end, and AttentionMetadata tells attention which tokens belong to whom "
@@ -76,7 +83,10 @@ HINTS: dict[str, tuple[str, str, str]] = {
         "s.samples].\n"
         "check_stop: if n_out >= min_tokens: EOS (not ignore_eos) -> STOPPED; token in "
         "stop_token_ids -> stop_reason = token, STOPPED. if p.stop and check_stop_strings(seq): "
-        "STOPPED. n_out >= max_tokens or num_tokens >= max_model_len: LENGTH. else None."),
+        "STOPPED. n_out >= max_tokens or num_tokens >= max_model_len: LENGTH. else None.\n"
+        "find_stop_string: best = None; for stop: idx = text.find(stop, max(searched - "
+        "len(stop) + 1, 0)); keep the smallest idx != -1; return (stop, idx + len(stop) if "
+        "include else idx) or None."),
     "admission": (
         "Admission is the third step of a pass: what the running sequences left of the token "
         "budget goes to waiting sequences, oldest first. A step that had to preempt admits "
@@ -111,7 +121,9 @@ HINTS: dict[str, tuple[str, str, str]] = {
         "= {dst: src for copies whose dst is in their tables}, drop those copies; "
         "preempt(victims, out, pending); out.preempted += victims; return returned.\n"
         "preempt: free each, status WAITING, recompute_until = max(it, num_computed_tokens), "
-        "num_computed_tokens = 0; waiting.extendleft(reversed(seqs))."),
+        "num_computed_tokens = 0; waiting.extendleft(reversed(seqs)).\n"
+        "finish: if RUNNING: leave_running(seq), else try waiting.remove(seq) (ValueError: it "
+        "was not there); seq.status = status; block_manager.free(seq)."),
     "sampler": (
         "Every row is processed at once, even with different parameters: truncation is a "
         "mask on sorted logits, and sampling is an exponential race, argmax(p / E) with "
@@ -152,7 +164,9 @@ HINTS: dict[str, tuple[str, str, str]] = {
         "offs_n = kv_start + arange(BLOCK_N); the block id of each key from the table row "
         "(cast to int64); row address = block * stride_c_block + (offs_n % BLOCK_SIZE) * "
         "stride_c_slot + kv_head * stride_c_head. The tile's max may still be -inf for a row "
-        "that saw no key: subtract 0 instead, or exp2 gives NaN.",
+        "that saw no key: subtract 0 instead, or exp2 gives NaN. The merge reads NUM_SPLITS "
+        "partial results and log2-sum-exps per (token, head) and weights each by exp2(lse - "
+        "max lse).",
         "store: dst = block * stride_c_block + offset * stride_c_slot + heads[:, None] * "
         "stride_c_head + dims[None, :]; store(k_cache + dst, load(k_src, mask), mask), same for "
         "v.\n"
@@ -162,7 +176,11 @@ HINTS: dict[str, tuple[str, str, str]] = {
         "MASKED: s = where((offs_n <= q_pos[:, None]) & n_mask, s, -inf); m_new = maximum(m_i, "
         "max(s, 1)); m_safe = where(m_new == -inf, 0, m_new); p = exp2(s - m_safe[:, None]); "
         "alpha = exp2(m_i - m_safe); l_i = l_i * alpha + sum(p, 1); acc = acc * alpha[:, None] "
-        "+ tl.dot(p.to(v.dtype), v, ...); return acc, l_i, m_new."),
+        "+ tl.dot(p.to(v.dtype), v, ...); return acc, l_i, m_new.\n"
+        "merge: token = first_token + program_id(0) (int64); head = program_id(1); row = token "
+        "* num_programs(1) + head; lse = load(lse_ptr + row * NUM_SPLITS + splits); m = "
+        "max(lse), 0 where -inf; w = exp2(lse - m); part = load(partials, masked dims); total "
+        "= sum(w), 1 where 0; store(out, sum(w[:, None] * part, 0) / total, masked dims)."),
     "fork": (
         "A request with n samples prefills its prompt once. When that sequence samples its "
         "first token, it becomes n sequences that share every block (ref counts + 1); the "
@@ -216,5 +234,8 @@ HINTS: dict[str, tuple[str, str, str]] = {
         "_draws(...); p_x, q_x gathered at safe; accept = where(greedy, accept, u * q_x < p_x); "
         "accept &= valid; num_accepted = accept.long().cumprod(-1).sum(-1); p_last = p[rows, "
         "num_accepted]; token = argmax, or (weights / noise).argmax for sampled rows; output = "
-        "full(-1); accepted drafts, then output[rows, num_accepted] = token."),
+        "full(-1); accepted drafts, then output[rows, num_accepted] = token.\n"
+        "_draws: check len(generators); uniforms = rand((rows, max_k), generator); noise = "
+        "empty((rows, vocab)).exponential_(generator); for each seeded row r: its first "
+        "num_draft_tokens[r] uniforms and its noise row again from generators[r]."),
 }
