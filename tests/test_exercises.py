@@ -292,6 +292,12 @@ def test_list_shows_the_stages_in_lesson_order_in_aligned_columns(tmp_path, monk
             assert row[s - 2:s] == "  " and row[s] != " ", (row, s)
     assert f"{len(STAGES)} stages, about {sum(solution_lines(s) for s in STAGES)} lines" \
         in "\n".join(lines)
+    st = get_stage("fork")
+    assert minipaged_main(["exercise", "list", "fork"]) == 0
+    one = capsys.readouterr().out
+    assert one.startswith(f"stage 10 of {len(STAGES)}, fork: {st.title}")
+    assert f"it needs:    {st.needs}" in one
+    assert all(c.name in one and c.where() in one for c in st.concepts)
 
 
 def test_hint_gives_three_levels_then_stays_at_the_last(tmp_path, monkeypatch, capsys):

@@ -6,7 +6,7 @@ NotImplementedError. You write it in a workspace of your own (`exercises/` by de
 are yours to keep), and the project's own tests grade it with your functions swapped in for the
 real ones; the capstone then runs your whole engine on stories260K.
 
-    minipaged exercise list                   the stages in lesson order, what each asks
+    minipaged exercise list [NAME]            the stages in lesson order (NAME: one in full)
     minipaged exercise start [NAME ...]       lays out the workspace (every stage, or some)
     minipaged exercise check NAME [--file F]  runs the stage's graders with your functions in
     minipaged exercise check NAME --solution  the same with the project's own code

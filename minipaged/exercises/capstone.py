@@ -52,6 +52,9 @@ from minipaged.exercises.stages import STAGES  # noqa: E402
 PARITY_ENGINE = dict(block_size=8, num_blocks=24, max_model_len=128, max_num_batched_tokens=32)
 STORY = "Once upon a time"
 PAIR = "Tom had a big red ball"  # the request of n = 2 samples
+# The readable path on the CPU, whatever the machine: the reference backend, `ModelRunner`
+# (whose prepare_inputs is a stage), fp32 like Hugging Face's reference.
+CPU = dict(device="cpu", attention_backend="torch_ref")
 
 
 def parity_prompts(n: int = 24, lo: int = 20, hi: int = 60, seed: int = 7) -> list[list[int]]:
@@ -151,8 +154,7 @@ def run_check(check: Check, ws: Workspace, body: Callable[[], tuple[bool, str]],
         check.passed, check.detail = body()
     except Exception as exc:  # the learner's code may raise anything; the capstone goes on
         where = learner_frame(exc, ws)
-        check.error = f"{type(exc).__name__}: {exc}" + (f"\n    raised in {where}" if where
-                                                         else "")
+        check.error = f"{type(exc).__name__}: {exc}" + (f"\nraised in {where}" if where else "")
         if show_traceback:
             traceback.print_exception(exc)
     return check
@@ -185,7 +187,7 @@ class Runs:
     # -- the workloads -------------------------------------------------------------------------
     def sampled(self):
         from minipaged import LLM, SamplingParams
-        llm = LLM("stories260K", attention_backend="torch_ref", block_size=8)
+        llm = LLM("stories260K", **CPU, block_size=8)
         prompts = ["Once upon a time", "The little dog", "Lily wanted to", "One day, a girl"]
         params = [SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, seed=i,
                                  max_tokens=16, ignore_eos=True) for i in range(4)]
@@ -196,7 +198,7 @@ class Runs:
     def speculative(self):
         from minipaged import LLM, SamplingParams
         spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
-        llm = LLM("stories260K", attention_backend="torch_ref", block_size=8,
+        llm = LLM("stories260K", **CPU, block_size=8,
                   speculative_config=spec)
         prompts = ["Once upon a time", "Tom had a big red ball. Tom had a", "The sun"]
         params = [SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True)
@@ -215,7 +217,7 @@ class Runs:
 
     def greedy_parity(self) -> tuple[bool, str]:
         from minipaged import LLM, SamplingParams
-        llm = self.parity_llm = LLM("stories260K", attention_backend="torch_ref",
+        llm = self.parity_llm = LLM("stories260K", **CPU,
                                     record_block_tables=True, **PARITY_ENGINE)
         tok = llm.get_tokenizer()
         prompts = parity_prompts()
@@ -243,7 +245,7 @@ class Runs:
     def beam_search(self) -> tuple[bool, str]:
         from minipaged import LLM, BeamSearchParams
         from minipaged.benchmark.hf_baselines import quiet_transformers
-        llm = LLM("stories260K", attention_backend="torch_ref", block_size=8, num_blocks=256)
+        llm = LLM("stories260K", **CPU, block_size=8, num_blocks=256)
         ids = llm.get_tokenizer()("Lily and her mom").input_ids
         out = llm.beam_search([ids], BeamSearchParams(beam_width=3, max_tokens=16,
                                                       ignore_eos=True))[0]
@@ -267,7 +269,9 @@ class Runs:
 
     def triton_kernels(self) -> tuple[bool, str]:
         from minipaged import LLM, SamplingParams
-        llm = LLM("stories260K", attention_backend="triton", block_size=8, num_blocks=64)
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # (the interpreter on a CPU)
+        llm = LLM("stories260K", device=device, attention_backend="triton", block_size=8,
+                  num_blocks=64)
         tok = llm.get_tokenizer()
         prompts = [tok(p).input_ids for p in ("Once upon a time", "The little dog")]
         mine = tokens_of(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6,
@@ -288,16 +292,19 @@ def run_capstone(workspace: Path, out: Path, show_traceback: bool = False) -> di
     undo = swap_workspace(ws)
     checks = []
     try:
+        # Every workload runs the core: blocks, tables, admission, the running set, the inputs.
+        core = ["block_allocator", "block_manager", "prepare_inputs", "admission", "scheduler"]
         plan = [
-            ("greedy parity", runs.greedy_parity,
-             ["block_allocator", "block_manager", "prepare_inputs", "step_loop", "admission",
-              "scheduler", "online_softmax", "fork"]),
-            ("seeded sampling", runs.seeded_sampling, ["sampler", "fork"]),
-            ("beam search", runs.beam_search, ["beam_search", "fork"]),
-            ("speculation", runs.speculation, ["rejection_sampler"]),
+            ("greedy parity", runs.greedy_parity, core + ["step_loop", "online_softmax", "fork"]),
+            ("seeded sampling", runs.seeded_sampling,
+             core + ["step_loop", "sampler", "online_softmax", "fork"]),
+            ("beam search", runs.beam_search,
+             core + ["step_loop", "online_softmax", "fork", "beam_search"]),
+            ("speculation", runs.speculation, core + ["online_softmax", "rejection_sampler"]),
         ]
         if "triton_attention" in ws.modules:
-            plan.append(("Triton kernels", runs.triton_kernels, ["triton_attention"]))
+            plan.append(("Triton kernels", runs.triton_kernels,
+                         core + ["step_loop", "triton_attention"]))
         for name, body, stages in plan:
             checks.append(run_check(Check(name, stages), ws, body, show_traceback))
         figures = draw_figures(runs.parity_llm, out, len(ws.yours)) if runs.parity_llm else {}

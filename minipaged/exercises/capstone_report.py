@@ -66,7 +66,7 @@ def print_report(report: dict, out: Path) -> None:
         print(f"  {mark} {c['name']}: " + (c["detail"] or "did not finish"))
         print(f"       your stages in it: {', '.join(mine) if mine else 'none yet'}")
         if c["error"]:
-            print(f"       your engine raised {c['error']}")
+            print("       your engine raised " + c["error"].replace("\n", "\n       "))
     if report["story"]:
         print(f"\nthe story your engine wrote: {report['story']!r}")
     if report["figures"]:

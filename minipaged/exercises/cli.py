@@ -1,6 +1,7 @@
 """`minipaged exercise list | start | check | hint | status | solution | capstone`.
 
     minipaged exercise list                    the twelve stages in lesson order
+    minipaged exercise list block_manager      one stage: what it needs, its concepts, lessons
     minipaged exercise start                   lays out the workspace: exercises/<stage>.py each
     minipaged exercise start block_manager     just one stage's file
     minipaged exercise check block_manager     grades it: the project's tests with your code in
@@ -85,9 +86,32 @@ def child_env() -> dict:
     return env
 
 
+def describe(st: Stage, workspace: Path) -> str:
+    """One stage in full: `minipaged exercise list NAME`."""
+    i = STAGES.index(st) + 1
+    status = stage_status(workspace, st)
+    lines = [f"stage {i} of {len(STAGES)}, {st.name}: {st.title}",
+             f"  lesson:      notebooks/{st.lesson}.ipynb (about {st.minutes} min)",
+             f"  you write:   {functions_of(st)}",
+             f"  it needs:    {st.needs}",
+             f"  your file:   {stage_file(workspace, st)} ({state_word(status)})",
+             f"  capstone:    {st.capstone}",
+             f"  graded by {len(st.tests)} of the project's tests, on these concepts:"]
+    for c in st.concepts:
+        lines.append(f"    {c.name}\n      ({c.where()})")
+    return "\n".join(lines)
+
+
 def cmd_list(a) -> int:
     if a.markdown:
         print(markdown_table())
+        return 0
+    if a.name:
+        try:
+            print(describe(get_stage(a.name), a.dir))
+        except KeyError as e:
+            print(e.args[0], file=sys.stderr)
+            return 2
         return 0
     rows = []
     for i, st in enumerate(STAGES, 1):
@@ -256,6 +280,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return p
 
     ls = add("list", "the stages in lesson order, what each asks")
+    ls.add_argument("name", nargs="?", metavar="NAME", help="one stage in full")
     ls.add_argument("--markdown", action="store_true", help="as the table of README.md")
     s = add("start", "lay out the workspace: the skeleton of every stage (or of NAME ...)")
     s.add_argument("names", nargs="*", metavar="NAME", help="stages (default: all of them)")
