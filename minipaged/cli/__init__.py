@@ -31,7 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("minipaged.cli.bench", "throughput beside the Hugging Face baselines"),
     "serve": ("minipaged.cli.serve", "OpenAI-compatible server (vLLM's `vllm serve` flags)"),
     "download": ("minipaged.cli.download", "fetch a model into the cache now"),
-    "exercise": ("minipaged.exercises.cli", "the build-it track: skeletons, graders, solutions"),
+    "exercise": ("minipaged.exercises.cli", "the build track: twelve stages, graders, hints, the capstone"),
 }
 
 

@@ -1,31 +1,49 @@
-"""How an exercise is graded: load the learner's file, swap its functions in, build the solution.
+"""How a stage is graded: load the learner's file, swap its functions in, build the solution.
 
-`minipaged exercise check NAME` (cli.py) runs pytest on the exercise's tests with plugin.py, which
-calls `load_learner_module` when pytest starts and `swap_in` once the tests are collected. The
-tests themselves are the project's own, unchanged: they import and call the real symbols, and
-find the learner's functions there.
+`minipaged exercise check NAME` (cli.py) runs pytest on the stage's graders with plugin.py,
+which calls `load_learner_module` when pytest starts and `swap_in` once the tests are
+collected; the capstone (capstone.py) swaps every written stage in at once. The graders are the
+project's own tests, unchanged: they import and call the real symbols, and find the learner's
+functions there.
 """
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib
 import importlib.util
 import inspect
 import sys
 import textwrap
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-from minipaged.exercises import Exercise
+from minipaged.exercises.stages import Stage
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # where tests/ lives in a clone of the project
+SKELETON_MARK = 'raise NotImplementedError("exercise: '  # what every untouched body raises
 
-# What `swap_in` replaced, to put back: (module or class, attribute name, the original value).
-Undo = list[tuple[object, str, object]]
+
+
+@dataclass
+class Undo:
+    """What `swap_in` replaced, to put back: (module or class, attribute name, the original
+    value), and (the learner's function, the real one) for modules imported after the swap,
+    which took the learner's function from a module that held it then."""
+
+    replaced: list[tuple[object, str, object]] = field(default_factory=list)
+    pairs: list[tuple[object, object]] = field(default_factory=list)
 
 
 class ExerciseFileError(Exception):
-    """The learner's file is missing, does not import, or lacks a function the exercise needs."""
+    """The learner's file is missing, does not import, or lacks a function the stage needs."""
+
+
+def unwrap(obj):
+    """The Python function behind a Triton kernel (`@triton.jit` wraps it), else `obj`."""
+    fn = getattr(obj, "fn", None)
+    return fn if inspect.isfunction(fn) else obj
 
 
 def resolve(target: str) -> tuple[object, str, object]:
@@ -38,13 +56,13 @@ def resolve(target: str) -> tuple[object, str, object]:
     return owner, attr, vars(owner)[attr]
 
 
-def load_learner_module(exercise: Exercise, path: Path) -> ModuleType:
+def load_learner_module(stage: Stage, path: Path) -> ModuleType:
     """Import the learner's file (any path) and check it defines every function to write."""
     path = Path(path)
     if not path.is_file():
         raise ExerciseFileError(f"{path} does not exist: `minipaged exercise start "
-                                f"{exercise.name}` creates it from the skeleton")
-    name = f"minipaged_exercise_{exercise.name}"
+                                f"{stage.name}` creates it from the skeleton")
+    name = f"minipaged_exercise_{stage.name}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # as an import would (dataclasses in the file look it up)
@@ -53,11 +71,11 @@ def load_learner_module(exercise: Exercise, path: Path) -> ModuleType:
     except Exception as e:
         del sys.modules[name]
         raise ExerciseFileError(f"importing {path} failed: {type(e).__name__}: {e}") from e
-    missing = [f for f in exercise.functions if not callable(getattr(module, f, None))]
+    missing = [f for f in stage.functions if not callable(getattr(module, f, None))]
     if missing:
         del sys.modules[name]
-        raise ExerciseFileError(f"{path} defines no {', '.join(missing)}; exercise "
-                                f"{exercise.name} needs {', '.join(exercise.functions)}")
+        raise ExerciseFileError(f"{path} defines no {', '.join(missing)}; stage "
+                                f"{stage.name} needs {', '.join(stage.functions)}")
     return module
 
 
@@ -66,16 +84,17 @@ def _module_items(module) -> list[tuple[str, object]]:
     return list(namespace.items()) if isinstance(namespace, dict) else []
 
 
-def swap_in(exercise: Exercise, learner: ModuleType) -> Undo:
+def swap_in(stage: Stage, learner: ModuleType) -> Undo:
     """Put the learner's functions where the real ones are; returns what `undo_swap` restores.
 
-    A method is replaced on its class. A module-level function is replaced in every loaded
-    module that holds it, because `from minipaged.sampling import apply_top_k_top_p_min_p` in a
-    test is a reference of its own: call this after the tests are imported. The learner's own
-    module is left alone (it may keep the real function under another name to compare with).
+    A method is replaced on its class. A module-level function (or Triton kernel) is replaced
+    in every loaded module that holds it, because `from minipaged.sampling import
+    apply_top_k_top_p_min_p` in a test is a reference of its own: call this after the tests are
+    imported. The learner's own module is left alone (it may keep the real function under
+    another name to compare with).
     """
-    undo: Undo = []
-    for target, function in zip(exercise.targets, exercise.functions):
+    undo = Undo()
+    for target, function in zip(stage.real_targets, stage.functions):
         owner, attr, real = resolve(target)
         mine = getattr(learner, function)
         if isinstance(owner, type):
@@ -84,34 +103,83 @@ def swap_in(exercise: Exercise, learner: ModuleType) -> Undo:
             holders = [(m, name) for m in list(sys.modules.values()) if m is not learner
                        for name, value in _module_items(m) if value is real]
         for holder, name in holders:
-            undo.append((holder, name, vars(holder)[name]))
+            undo.replaced.append((holder, name, vars(holder)[name]))
             setattr(holder, name, mine)
+        undo.pairs.append((mine, real))
     return undo
 
 
 def undo_swap(undo: Undo) -> None:
-    for holder, name, value in reversed(undo):
+    for holder, name, value in reversed(undo.replaced):
         setattr(holder, name, value)
+    real_of = {id(mine): real for mine, real in undo.pairs}
+    for m in list(sys.modules.values()):  # modules imported while the swap was in place
+        if not getattr(m, "__name__", "").startswith("minipaged_exercise_"):
+            for name, value in _module_items(m):
+                if id(value) in real_of:
+                    setattr(m, name, real_of[id(value)])
+    undo.replaced, undo.pairs = [], []
 
 
-def solution_source(exercise: Exercise) -> str:
+def is_written(function) -> bool:
+    """False while the function is the skeleton's (its body still raises the exercise's
+    NotImplementedError)."""
+    try:
+        source = inspect.getsource(unwrap(function))
+    except (OSError, TypeError):
+        return True
+    return SKELETON_MARK not in source
+
+
+def written_functions(stage: Stage, learner: ModuleType) -> list[str]:
+    return [f for f in stage.functions if is_written(getattr(learner, f))]
+
+
+def code_lines(function) -> int:
+    """Lines of code in a function's body: no docstring, blank or comment-only lines, and not
+    the skeleton's `raise NotImplementedError`."""
+    source = textwrap.dedent(inspect.getsource(unwrap(function)))
+    node = ast.parse(source).body[0]
+    body = node.body
+    if (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)):
+        body = body[1:]  # the docstring
+    if not body:
+        return 0
+    lines = source.splitlines()[body[0].lineno - 1:node.end_lineno]
+    return sum(1 for line in lines
+               if line.strip() and not line.strip().startswith("#") and SKELETON_MARK not in line)
+
+
+def solution_lines(stage: Stage) -> int:
+    """What the learner writes in this stage, measured on the project's code."""
+    return sum(code_lines(resolve(t)[2]) for t in stage.real_targets)
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def solution_source(stage: Stage) -> str:
     """The skeleton with every function to write replaced by the real one's source.
 
     That is the project's code in the learner's file: what `check --solution` grades and
     `minipaged exercise solution NAME` prints. Generated, so it never drifts from the code.
     """
-    text = exercise.skeleton_path.read_text()
+    text = stage.skeleton_path.read_text()
     lines = text.splitlines(keepends=True)
     defs = {node.name: node for node in ast.parse(text).body if isinstance(node, ast.FunctionDef)}
     # Bottom up, so the line numbers of the functions above stay valid.
-    for target, function in sorted(zip(exercise.targets, exercise.functions),
+    for target, function in sorted(zip(stage.real_targets, stage.functions),
                                    key=lambda tf: -defs[tf[1]].lineno):
         node = defs[function]
-        real = resolve(target)[2]
+        real = unwrap(resolve(target)[2])
         source, line = inspect.getsourcelines(real)
         where = Path(inspect.getsourcefile(real)).resolve().relative_to(REPO_ROOT)
+        source = textwrap.dedent("".join(source))
+        if real.__name__ != function:  # the learner's name for it (three `fork`s in one file)
+            source = source.replace(f"def {real.__name__}(", f"def {function}(", 1)
         start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
-        lines[start:node.end_lineno] = [f"# the project's code, from {where}:{line}\n",
-                                        textwrap.dedent("".join(source))]
-    return (f"# Solution of exercise {exercise.name!r}: the skeleton with the project's own "
+        lines[start:node.end_lineno] = [f"# the project's code, from {where}:{line}\n", source]
+    return (f"# Solution of stage {stage.name!r}: the skeleton with the project's own "
             "code in it.\n" + "".join(lines))

@@ -13,8 +13,9 @@ with `n > 1` sample i uses `seed + i` (vLLM's rule), so the samples differ but r
 Greedy rows (temperature 0) take argmax of the processed logits. On CUDA the engine builds a
 `KernelSampler` instead (kernel_sampler.py): plain temperature rows drawn by fused Triton kernels.
 
-Build it yourself (lesson 04): `minipaged exercise start top_k_top_p` hands you
-`apply_top_k_top_p_min_p` to write; `minipaged exercise check top_k_top_p` grades it.
+Build it yourself (lesson 04): `minipaged exercise start sampler` hands you
+`apply_top_k_top_p_min_p` and `Sampler._sample` to write; `minipaged exercise check sampler`
+grades them.
 """
 from __future__ import annotations
 

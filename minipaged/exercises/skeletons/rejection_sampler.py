@@ -1,16 +1,21 @@
-"""Exercise `rejection_sampler` (lesson 10): speculative decoding's verification rule.
+"""Stage 12, `rejection_sampler` (lesson 10): speculative decoding's verification rule.
 
-Write `rejection_sample` and `_correction_weights` of minipaged/sampling/rejection_sampler.py.
+Write `rejection_sample`, `_correction_weights` and `_draws` of
+minipaged/sampling/rejection_sampler.py.
 While the grader runs, your functions replace the real ones everywhere they were imported, so
 the engine's verify step (minipaged/spec_decode/verify.py) runs on yours. Grade them with
 
     minipaged exercise check rejection_sampler
 
 The graders count 20,000 rows of your rule and compare the counts with p by a chi-square test
-(the biased rules of lesson 10's section 1 fail it), then run the engine with prompt lookup and
-compare its greedy tokens with Hugging Face's.
+(the biased rules of lesson 10's section 1 fail it), then run the engine with prompt lookup on
+seeded sampled requests, which must draw the same tokens alone or in a batch. (A step whose rows
+are all greedy verifies without the rule: it keeps each guess while it equals the argmax.)
 
-Batched: no Python loop over rows or over the vocabulary. `_draws` (given) returns the random
+Needs from stage 7 (sampler): the same exponential race, argmax(weights / noise), draws the
+corrected or bonus token.
+
+Batched: no Python loop over rows or over the vocabulary. `_draws` returns the random
 numbers: uniforms (num_rows, max_k) for the acceptance tests and Exp(1) noise (num_rows, vocab)
 for one exponential race per row, argmax(weights / noise), which draws from the normalised
 weights. One way (the project's): compare every guess at once (u * q(x) < p(x); greedy rows:
@@ -23,7 +28,7 @@ from typing import Optional, Sequence as Seq
 
 import torch
 
-from minipaged.sampling.rejection_sampler import PLACEHOLDER_TOKEN_ID, _draws  # noqa: F401
+from minipaged.sampling.rejection_sampler import PLACEHOLDER_TOKEN_ID  # noqa: F401
 
 
 def rejection_sample(
@@ -71,3 +76,17 @@ def _correction_weights(p_last: torch.Tensor, num_accepted: torch.Tensor,
     # safe_ids: the draft tokens (num_rows, max_k) with the -1 padding replaced by 0. n-gram
     # guesses (draft_probs None) have a one-hot q. When the residual is zero everywhere, use p.
     raise NotImplementedError("exercise: write _correction_weights")
+
+
+def _draws(num_rows: int, max_k: int, vocab: int, num_draft_tokens: torch.Tensor,
+           generators: Optional[Seq[Optional[torch.Generator]]],
+           generator: Optional[torch.Generator], device: torch.device
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Acceptance uniforms (num_rows, max_k) and race noise (num_rows, vocab) ~ Exp(1).
+
+    Rows without a generator share one batched draw; a seeded row draws from its own
+    generator exactly num_draft_tokens[r] uniforms and one vocabulary of noise, so what it
+    consumes depends on its own proposals only, not on max_k or its batch neighbours."""
+    # A `generators` list of the wrong length: ValueError "generators must have one entry per
+    # row ...". Draw the whole batch from `generator` first, then overwrite the seeded rows.
+    raise NotImplementedError("exercise: write _draws")

@@ -1,4 +1,4 @@
-"""Exercise `online_softmax` (lesson 05): paged attention over a block-table walk, online softmax.
+"""Stage 8, `online_softmax` (lesson 05): paged attention over a block-table walk, online softmax.
 
 Write `online_softmax_attention` of minipaged/attention/online_softmax.py: one sequence's
 attention, reading its keys and values one block at a time through its block table, with the
@@ -8,6 +8,10 @@ real one, and the tests compare it with `paged_attention_reference` (one softmax
 row). Grade it with
 
     minipaged exercise check online_softmax
+
+Needs: the cache layout the block manager's tables index (stage 2): a token at position p of a
+sequence sits in physical block block_table[p // block_size], row p % block_size. In the
+capstone your function is the engine's attention, called once per sequence and layer.
 
 Slots past the sequence's end hold NaN in the tests: read only the context_len keys.
 """
