@@ -10,6 +10,8 @@ since nothing of it is in the objects that run. The block manager's and the sche
     enable_lora          lora/scheduling.py     LoRAAdmission (`max_loras` adapters at once), and
                                                 the adapter id as the prefix cache's extra key
     preemption "swap"    swap/                  SwapPreemption, SwapBlockManager (a CPU pool)
+    scheduling_policy    priority/scheduling.py PriorityScheduling: queues in priority order, a
+    "priority"                                  more urgent request preempts less urgent ones
 
 A step loop that plans differently passes its own `Scheduler` subclass as `base`
 (async_sched/step_loop.py, spec_decode/scheduler.py); the mixins go on top of it. Beside them:
@@ -33,6 +35,7 @@ from minipaged.groups.scheduling import GroupScheduling
 from minipaged.lora.extension import LoRAExtension
 from minipaged.lora.scheduling import LoRAAdmission, lora_hash_key
 from minipaged.models.loader import load_model
+from minipaged.priority.scheduling import PriorityScheduling
 from minipaged.structured_output.extension import StructuredOutputExtension
 from minipaged.structured_output.manager import StructuredOutputManager
 from minipaged.swap.block_manager import SwapBlockManager
@@ -119,10 +122,13 @@ def build_block_manager(num_blocks: int, block_size: int, enable_prefix_caching:
 def build_scheduler(block_manager: BlockManager, *, max_num_seqs: int,
                     max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
                     preemption_mode: str = "recompute", max_loras: int = 0,
-                    base: type[Scheduler] = Scheduler, **extra) -> Scheduler:
+                    scheduling_policy: str = "fcfs", base: type[Scheduler] = Scheduler,
+                    **extra) -> Scheduler:
     """`base` (the core `Scheduler` or a step loop's subclass) with the policies these knobs
     turn on; `max_loras` 0: no adapters. `extra`: keywords of `base`."""
     mixins: list[type] = []
+    if scheduling_policy == "priority":
+        mixins.append(PriorityScheduling)
     if preemption_mode == "swap":
         mixins.append(SwapPreemption)
     if max_loras:

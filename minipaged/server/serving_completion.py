@@ -32,7 +32,8 @@ class OpenAIServingCompletion(OpenAIServing):
         params = self.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
                                       logprobs_field="logprobs")
         request_id = random_id("cmpl")
-        stream = await self.submit(prompts, params, request_id, stream=req.stream, model=model)
+        stream = await self.submit(prompts, params, request_id, stream=req.stream, model=model,
+                                   priority=req.priority)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return SSEResponse(self._events(stream, req, model, request_id, stop_hold(params),
