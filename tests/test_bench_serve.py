@@ -170,6 +170,10 @@ def test_live_against_minipaged_serve_matches_the_servers_counters(tmp_path):
         # duration covers the arrivals (n / rate) and the last answer
         assert r["duration"] >= 8 / r["request_rate"]
     assert (tmp_path / "rates.png").stat().st_size > 0
+    knee = data["knee"]
+    assert knee["threshold_s"] == pytest.approx(4 * rates[0]["mean_normalized_latency_s"])
+    low, high = (r["mean_normalized_latency_s"] for r in rates)
+    assert (knee["rate"] is None) == (high <= knee["threshold_s"])
 
 
 def test_the_command_exists_and_a_missing_server_is_one_line(capsys):

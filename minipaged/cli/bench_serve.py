@@ -15,8 +15,9 @@ flight; prompts are token ids from `minipaged bench`'s workloads (`cpu`, `nanovl
 request and output-token throughput, TTFT, TPOT, ITL and end-to-end latency (mean and the
 `--metric-percentiles`), goodput under `--goodput` SLOs, and the vLLM paper's normalized latency
 (seconds per output token). Several rates (`--request-rate 1,2,4`) are a sweep: one run each,
-one JSON (`--json`), and the curve of normalized latency, TTFT and TPOT against the rate
-(`--plot`, default: beside the JSON).
+one JSON (`--json`), the curve of normalized latency, TTFT and TPOT against the rate (`--plot`,
+default: beside the JSON), and the knee: the rate at which the mean normalized latency crosses
+4x its value at the lowest rate (interpolated in log rate).
 
 The load comes from `--num-clients` processes (default: up to half the CPUs) so that the
 client is not the bottleneck; it reports each one's busy fraction (CPU time / wall time; above
@@ -39,6 +40,7 @@ from typing import Optional
 from minipaged.cli.args import FlexibleArgumentParser, add_common_args, int_at_least
 from minipaged.cli.errors import CLIError, run_command
 
+KNEE_FACTOR = 4.0  # the sweep's knee: where latency reaches 4x its lightly loaded value
 COUNTERS = ("request_success_total", "prompt_tokens_total", "generation_tokens_total",
             "num_preemptions_total")
 
@@ -190,6 +192,12 @@ def bench_serve(argv: list[str]) -> int:
             print(format_result(m, percentiles), flush=True)
             print(f"({time.time() - t0:.1f} s)", flush=True)
             write_json(args, argv, name, wl, url, goodput, warmup, runs)
+    knee = sweep_knee(runs)
+    if knee is not None:
+        print(f"knee: {knee['rate']:.2f} req/s (mean normalized latency crosses "
+              f"{knee['threshold_s'] * 1e3:.1f} ms/token, {KNEE_FACTOR:g}x its value at the lowest "
+              "rate)" if knee["rate"] else "knee: not crossed in this sweep", flush=True)
+        write_json(args, argv, name, wl, url, goodput, warmup, runs, knee)
     plot = args.plot or (str(Path(args.json).with_suffix(".png"))
                          if args.json and len(rates) > 1 else None)
     if plot:
@@ -220,7 +228,22 @@ def warm_up(args, url, headers, model, wl, vocab, salt, clients) -> dict:
             "output_tokens": sum(j.max_tokens for j in jobs)}
 
 
-def write_json(args, argv, model, wl, url, goodput, warmup, runs) -> None:
+def sweep_knee(runs: list[dict]) -> Optional[dict]:
+    """Where the sweep's mean normalized latency crosses KNEE_FACTOR x its value at the lowest
+    finite rate (interpolated in log rate, as the simulator's sweeps read it); None for fewer
+    than two finite rates."""
+    from minipaged.simulator.sweep import capacity_rate
+    pts = sorted((m for m in runs if not math.isinf(m["request_rate"]) and m["completed"]),
+                 key=lambda m: m["request_rate"])
+    if len(pts) < 2:
+        return None
+    threshold = KNEE_FACTOR * pts[0]["mean_normalized_latency_s"]
+    return {"rate": capacity_rate(pts, threshold), "threshold_s": threshold,
+            "rule": f"{KNEE_FACTOR:g}x the mean normalized latency at the lowest rate"}
+
+
+def write_json(args, argv, model, wl, url, goodput, warmup, runs,
+               knee: Optional[dict] = None) -> None:
     if not args.json:
         return
     from minipaged.benchmark.throughput import environment
@@ -231,7 +254,7 @@ def write_json(args, argv, model, wl, url, goodput, warmup, runs) -> None:
         "workload": {"name": wl.name, "num_prompts": len(wl.prompts), "seed": args.seed,
                      "prompt_tokens": wl.num_prompt_tokens, "output_tokens": sum(wl.max_tokens),
                      "temperature": args.temperature, "ignore_eos": True},
-        "goodput_slo_ms": goodput or None, "warmup": warmup,
+        "goodput_slo_ms": goodput or None, "warmup": warmup, "knee": knee,
         "rates": [json_safe(m) for m in runs]}, indent=1))
 
 
