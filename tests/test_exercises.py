@@ -1,4 +1,4 @@
-"""The build-it exercises (minipaged/exercises, lessons 02-06 and 10) and their graders.
+"""The build-it exercises (minipaged/exercises, lessons 02-06, 10 and 13) and their graders.
 
 For every exercise: the skeleton has the real signatures and docstrings; `minipaged exercise
 check` fails every grader on the untouched skeleton, passes every grader on the solution (the
@@ -35,6 +35,8 @@ BUGS = {
     "top_k_top_p": ("(mass_before >= top_p[:, None])", "(mass_before > top_p[:, None])"),
     "online_softmax": ("acc = acc * alpha[..., None] + p @ v", "acc = acc + p @ v"),
     "rejection_sampler": ("accept &= valid", "accept &= True"),  # padding counts as a guess
+    "priority": ("self.running[-1].priority <= seq.priority",  # equals preempt each other
+                 "self.running[-1].priority < seq.priority"),
 }
 
 

@@ -1,6 +1,6 @@
 """Build it yourself: rebuild the engine's central pieces, graded by the project's own tests.
 
-Lessons 02-06 and 10 each end with one exercise (tiny-llm's graders are the model). Each
+Lessons 02-06, 10 and 13 each end with one exercise (tiny-llm's graders are the model). Each
 exercise is a *skeleton* module in this folder: the real signatures and docstrings of the
 functions to write, bodies that raise NotImplementedError. The registry below says which real
 symbols they replace and which of the project's tests grade them.
@@ -51,6 +51,7 @@ _BM = "tests/test_block_manager.py::"
 _SCHED = "tests/test_scheduler.py::"
 _SAMPLER = "tests/test_sampler.py::"
 _REJECTION = "tests/test_rejection_sampler.py::"  # all but the CUDA test (a skip grades nothing)
+_PRIORITY = "tests/test_priority_scheduling.py::"  # the scheduler's and the engine's, not the API's
 
 EXERCISES: tuple[Exercise, ...] = (
     Exercise(
@@ -119,6 +120,25 @@ EXERCISES: tuple[Exercise, ...] = (
             "test_shape_errors_name_the_argument",
             "test_seeded_rows_replay_whatever_the_batch",
         )) + ("tests/test_spec_decode.py::test_seeded_sampling_is_reproducible",)),
+    Exercise(
+        name="priority",
+        lessons=("13_serving_under_load",),
+        summary="the priority policy: its sort key and when a waiting request may preempt",
+        targets=("minipaged.priority.scheduling:priority_key",
+                 "minipaged.priority.scheduling:PriorityScheduling.can_displace"),
+        tests=tuple(_PRIORITY + t for t in (
+            "test_priority_key_is_priority_then_arrival_then_creation",
+            "test_waiting_queue_is_kept_in_priority_order",
+            "test_later_high_priority_request_finishes_before_earlier_low_priority_ones",
+            "test_high_priority_waiting_request_preempts_the_least_urgent_latest_arrival",
+            "test_equal_priority_never_preempts_a_running_request",
+            "test_seat_limit_preemption",
+            "test_preempted_request_goes_back_to_its_place_in_priority_order",
+            "test_without_chunked_prefill_a_prompt_over_the_budget_preempts_nobody",
+            "test_without_priorities_the_policy_plans_exactly_like_fcfs",
+            "test_random_workloads_with_priorities_finish_and_keep_the_queues_ordered",
+            "test_engine_serves_a_late_urgent_request_first_and_the_tokens_do_not_change",
+        )) + ("tests/test_simulator.py::test_plans_match_the_real_engine_step_for_step[priority]",)),
     Exercise(
         name="online_softmax",
         lessons=("05_paged_attention_kernel",),

@@ -81,17 +81,6 @@ def ratio_table(results: dict[str, dict]) -> str:
 
 
 # --- the lesson's small experiments ------------------------------------------------------------
-CPU_COST_JSON = "benchmarks/results/simulator_validation_cpu_stories260k.json"
-
-
-def cpu_cost() -> StepCostModel:
-    """The cost model fitted to stories260K on a 2-core CPU (the committed validation run)."""
-    import json
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[2]
-    return StepCostModel.from_dict(json.loads((root / CPU_COST_JSON).read_text())["cost_model"])
-
-
 def itl_ms(result, percentiles=(50, 99)) -> dict:
     """Inter-token latency percentiles of a simulated run: every decode in a step waits that
     step's duration for its token, so the gaps are the step durations, one per decode."""

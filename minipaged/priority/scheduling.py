@@ -21,7 +21,7 @@ Preemption is by recompute (config.py refuses `preemption_mode="swap"` with this
 swapped-out victim comes back before any waiting request, which would undo the preemption).
 
 Build it yourself (lesson 13): `minipaged exercise start priority` hands you `priority_key` and
-`PriorityScheduling.admit` to write; `minipaged exercise check priority` grades them.
+`PriorityScheduling.can_displace` to write; `minipaged exercise check priority` grades them.
 """
 from __future__ import annotations
 
