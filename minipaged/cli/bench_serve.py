@@ -151,7 +151,11 @@ def bench_serve(argv: list[str]) -> int:
     rates = parse_rates(args.request_rate)
     if not args.burstiness > 0:
         raise CLIError(f"--burstiness must be > 0 (1: Poisson), got {args.burstiness}")
-    import httpx
+    try:
+        import httpx
+    except ImportError:
+        raise CLIError("minipaged bench serve needs httpx, which is not installed: pip install "
+                       "'minipaged[serve]' (in a clone: pip install -e '.[serve]')") from None
 
     from minipaged.benchmark.load_client import default_clients
     from minipaged.benchmark.serving import format_result, model_info, parse_goodput

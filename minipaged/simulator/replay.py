@@ -1,4 +1,4 @@
-"""The same arrival trace through the real engine, for comparison with the simulator.
+"""The same arrival trace through the real engine, for comparison with the simulator (lesson 13).
 
 * `replay_by_steps` adds each request before the step the simulator added it in (its
   `RequestTimes.arrival_step`): the real `LLMEngine` then faces exactly the simulator's
