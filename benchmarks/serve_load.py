@@ -90,7 +90,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import queue
 import random
 import shlex
 import signal
@@ -108,26 +107,21 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# minipaged (and torch) are imported inside the functions that need them: the client processes
-# import this file too, and a client needs httpx only.
+# The request, the prompts' salts and the client plumbing are `minipaged bench serve`'s
+# (minipaged/benchmark/serving.py, load_client.py: light modules, no torch); the rest of
+# minipaged (and torch) is imported inside the functions that need it: the client processes
+# import this file too.
+from minipaged.benchmark.load_client import (MAX_DEFAULT_CLIENTS, ClientReport,  # noqa: E402
+                                             checked, default_clients, stop_clients)
+from minipaged.benchmark.load_client import collect as _collect  # noqa: E402
+from minipaged.benchmark.serving import RequestResult, salted, stream_completion  # noqa: E402
+from minipaged.benchmark import serving as _serving  # noqa: E402
 
-MAX_DEFAULT_CLIENTS = 16  # --clients default: min(C, half the CPUs, 16) processes
 CLIENT_CPU_WARN = 70.0  # % of one core
 # The bars the served path is judged by, against the offline engine in the same run.
 BAR_THROUGHPUT = 0.85  # serve tok/s >= 85% of offline, at the largest concurrency level
 BAR_ITL_P99 = 2.0  # serve ITL p99 <= 2x offline ITL p99, same level
 BAR_SINGLE = 1.10  # concurrency 1: TTFT p50 and ITL p50 within 10% of a lone offline request
-
-
-@dataclass
-class RequestResult:
-    ok: bool
-    prompt_len: int
-    output_tokens: int = 0
-    ttft: Optional[float] = None
-    itl: list[float] = field(default_factory=list)
-    latency: float = 0.0
-    error: str = ""
 
 
 @dataclass
@@ -156,38 +150,7 @@ class LevelResult:
     repeat: int = 0  # which of --repeats runs of this concurrency
 
 
-@dataclass
-class ClientReport:
-    """What one client process sends back: its results and its own clock and CPU time."""
-    index: int
-    results: list  # [(request index, RequestResult)]
-    start: float = 0.0  # time.perf_counter() when it started sending
-    end: float = 0.0
-    cpu_sec: float = 0.0  # time.process_time() over [start, end]
-    error: str = ""
-
-    @property
-    def cpu_percent(self) -> float:
-        return 100.0 * self.cpu_sec / (self.end - self.start) if self.end > self.start else 0.0
-
-
 # --- the workload ----------------------------------------------------------------------------
-def salted(prompts: list[list[int]], salt: int, vocab_size: int) -> list[list[int]]:
-    """Copies of `prompts` whose second token (the first of a one-token prompt) is shifted by
-    `salt` inside [3, vocab) (below 3: <unk>, <s>, </s> of small vocabularies), so that prefix
-    caching shares no block between runs with different salts. `salt` 0 returns the prompts."""
-    if salt == 0:
-        return prompts
-    low = 3 if vocab_size > 3 else 0
-    out = []
-    for p in prompts:
-        p = list(p)
-        j = min(1, len(p) - 1)
-        p[j] = low + (p[j] - low + salt) % (vocab_size - low)
-        out.append(p)
-    return out
-
-
 def digest(prompts: list[list[int]], max_tokens: list[int]) -> str:
     """A fingerprint of a workload, to check the server and the offline run got the same one."""
     return hashlib.sha1(json.dumps([prompts, max_tokens]).encode()).hexdigest()[:12]
@@ -248,49 +211,6 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 # --- one client process ----------------------------------------------------------------------
-async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int],
-                      max_tokens: int, temperature: float) -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    res = RequestResult(ok=False, prompt_len=len(prompt))
-    t0 = time.perf_counter()
-    last = None
-    chunks = 0
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    res.error = event["error"]["message"]
-                    return res
-                if event.get("usage"):
-                    res.output_tokens = event["usage"]["completion_tokens"]
-                if event.get("choices"):
-                    now = time.perf_counter()
-                    if last is None:
-                        res.ttft = now - t0
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-                    chunks += 1
-        res.latency = time.perf_counter() - t0
-        res.output_tokens = res.output_tokens or chunks
-        res.ok = res.output_tokens == max_tokens
-        if not res.ok:
-            res.error = f"got {res.output_tokens} tokens, wanted {max_tokens}"
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
-        res.error = repr(e)
-    return res
-
-
 async def drive(client: httpx.AsyncClient, model: str, jobs: list[tuple[int, list[int], int]],
                 num_workers: int, temperature: float) -> list[tuple[int, RequestResult]]:
     """The closed loop of one client: `num_workers` workers take `jobs` (index, prompt,
@@ -301,7 +221,8 @@ async def drive(client: httpx.AsyncClient, model: str, jobs: list[tuple[int, lis
     async def worker():
         while todo:
             i, prompt, max_tokens = todo.popleft()
-            results.append((i, await one_request(client, model, prompt, max_tokens, temperature)))
+            results.append((i, await stream_completion(client, model, prompt, max_tokens,
+                                                       temperature)))
 
     await asyncio.gather(*(worker() for _ in range(num_workers)))
     return results
@@ -339,36 +260,6 @@ def split_load(num_requests: int, concurrency: int, clients: int) -> list[tuple[
     k = max(1, min(clients, concurrency))
     return [(list(range(j, num_requests, k)), concurrency // k + (j < concurrency % k))
             for j in range(k)]
-
-
-def default_clients(concurrency: int, cpus: Optional[int] = None) -> int:
-    """One process per stream up to half the machine's CPUs (the other half is the server's):
-    a client's cost follows the tokens/s it reads, not its number of streams."""
-    cpus = cpus or os.cpu_count() or 2
-    return max(1, min(concurrency, cpus // 2, MAX_DEFAULT_CLIENTS))
-
-
-def _collect(q, procs: list, n: int, what: str, timeout: float) -> list:
-    """`n` items from `q`, failing (not hanging) if a process dies without sending."""
-    items: list = []
-    deadline = time.time() + timeout
-    while len(items) < n:
-        try:
-            items.append(q.get(timeout=1.0))
-            continue
-        except queue.Empty:
-            pass
-        dead = [p for p in procs if p.exitcode is not None and p.exitcode != 0]
-        if dead or time.time() > deadline:
-            try:  # a last look: it may have sent just before it exited
-                items.append(q.get(timeout=1.0))
-                continue
-            except queue.Empty:
-                pass
-            why = (f"client process exited with code {dead[0].exitcode}" if dead
-                   else f"timed out after {timeout:.0f} s")
-            raise RuntimeError(f"waiting for {what}: {why}")
-    return items
 
 
 # --- one level -------------------------------------------------------------------------------
@@ -453,14 +344,8 @@ async def run_level(url: str, headers: dict, model: str, prompts, max_tokens, co
             await watcher
             after = parse_metrics((await client.get("/metrics")).text)
     finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    failed = [r for r in got if r.error]
-    if failed:
-        raise RuntimeError(f"client {failed[0].index} failed: {failed[0].error}")
-    got.sort(key=lambda r: r.index)
+        stop_clients(procs)
+    got = checked(got)
     elapsed = max(r.end for r in got) - min(r.start for r in got)
     results = [res for _, res in sorted((x for r in got for x in r.results), key=lambda x: x[0])]
     ok = [r for r in results if r.ok]
@@ -470,7 +355,7 @@ async def run_level(url: str, headers: dict, model: str, prompts, max_tokens, co
     from minipaged.lessons.bench import percentiles_ms
     tokens = sum(r.output_tokens for r in ok)
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    cpu = [round(r.cpu_percent, 1) for r in got]
+    cpu = [round(100 * r.busy_fraction, 1) for r in got]
     return LevelResult(
         concurrency=concurrency, clients=len(got), num_requests=len(results),
         errors=len(results) - len(ok), elapsed_sec=round(elapsed, 3),
@@ -690,17 +575,10 @@ def offline_table(offline: dict) -> str:
 
 
 def model_info(model: str, vocab_size: Optional[int]) -> tuple[int, Optional[int]]:
-    """(vocab size, BOS id) from minipaged's own model resolution, unless --vocab-size is given."""
-    if vocab_size is not None:
-        return vocab_size, None
-    from minipaged.models.loader import resolve_model
     try:
-        cfg = resolve_model(model).config
-    except Exception as e:  # noqa: BLE001
-        raise SystemExit(f"cannot find {model!r} locally to read its vocab size ({e}); "
-                         "pass --vocab-size") from None
-    bos = cfg.get("bos_token_id")
-    return cfg["vocab_size"], bos if isinstance(bos, int) else None
+        return _serving.model_info(model, vocab_size)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def main(argv: Optional[list[str]] = None) -> int:

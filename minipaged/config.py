@@ -33,6 +33,7 @@ DEFAULT_BATCHED_TOKENS = {"cpu":            (2048, 2048),  # the CPU's measured 
                           "large_gpu":      (16384, 8192),  # >= 70 GiB, not an A100 (H100, H200)
                           "gpu":            (8192, 2048)}
 PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy (minipaged/priority/)
 QUANTIZATION_METHODS = ("fp8",)  # models/quantization/
 
 
@@ -71,6 +72,10 @@ class EngineConfig:
     preemption_mode: str = _knob(
         "recompute", "recompute: free a preempted sequence's blocks and prefill it again later; "
                      "swap: copy them to a CPU pool and back", choices=PREEMPTION_MODES)
+    scheduling_policy: str = _knob(
+        "fcfs", "fcfs: first come, first served; priority: requests carry a priority (lower runs "
+                "first, ties by arrival) and a more urgent waiting request preempts less urgent "
+                "running ones (minipaged/priority/, lesson 13)", choices=SCHEDULING_POLICIES)
     swap_space: Optional[float] = _knob(
         None, "GiB of CPU pool for preemption_mode=swap; auto: as large as the KV cache")
     num_cpu_blocks: Optional[int] = _knob(
@@ -161,6 +166,11 @@ class EngineConfig:
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES,
                      note=" (recompute: free the blocks, prefill again later; swap: copy the "
                           "blocks to CPU memory and back)")
+        check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        if self.scheduling_policy == "priority" and self.preemption_mode == "swap":
+            raise ValueError("scheduling_policy='priority' needs preemption_mode='recompute', got "
+                             "'swap': a swapped-out request comes back before any waiting one, "
+                             "so it would undo the preemptions the priorities ask for")
         check_float("swap_space", self.swap_space, lo=0, optional=True, note=" (GiB)")
         check_int("num_cpu_blocks", self.num_cpu_blocks, lo=0, optional=True)
         check_int("seed", self.seed, SEED_MIN, SEED_MAX)

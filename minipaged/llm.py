@@ -18,6 +18,9 @@ lora_request=LoRARequest("name", 1, "path/to/adapter"))`, or a list with one per
 the base model); different adapters run in the same batch (minipaged/lora/). `beam_search`
 takes `lora_request` too, and every `RequestOutput` says which adapter it ran with.
 
+`LLM(..., scheduling_policy="priority")` orders requests by `generate(..., priority=[...])`:
+lower runs first, and a more urgent request preempts less urgent running ones (lesson 13).
+
 Bad input is refused before anything is queued (`RequestError`, naming the prompt). A request
 that fails while it runs raises `RequestError` too, once the call's other requests are aborted:
 the `LLM` is left holding nothing and serves the next call as before.
@@ -73,12 +76,13 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True,
-                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None
-                 ) -> list[RequestOutput]:
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+                 priority: Optional[Seq[int]] = None) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or {"prompt_token_ids": [...]}).
 
         `lora_request`: one `LoRARequest` for every prompt, or a list of one per prompt (None:
-        the base model); needs `enable_lora=True`."""
+        the base model); needs `enable_lora=True`. `priority`: one integer per prompt (lower
+        runs first); needs `scheduling_policy="priority"` (vLLM's keyword)."""
         prompts = self._normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -88,7 +92,11 @@ class LLM:
             raise ValueError(f"sampling_params must be one SamplingParams or a list of one per "
                              f"prompt ({len(prompts)}), got a list of {len(params)}")
         loras = self._lora_per_prompt(lora_request, len(prompts))
-        return self._run(self._add(prompts, params, loras), use_tqdm)
+        if priority is not None and (not isinstance(priority, (list, tuple))
+                                     or len(priority) != len(prompts)):
+            raise ValueError(f"priority must be a list of one integer per prompt "
+                             f"({len(prompts)}), got {priority!r:.80}")
+        return self._run(self._add(prompts, params, loras, priority), use_tqdm)
 
     @staticmethod
     def _lora_per_prompt(lora_request, num_prompts: int) -> list[Optional[LoRARequest]]:
@@ -123,8 +131,8 @@ class LLM:
             results.append(BeamSearchOutput(sequences=seqs))
         return results
 
-    def _add(self, prompts: list[PromptType], params: list, loras: Optional[list] = None
-             ) -> list[str]:
+    def _add(self, prompts: list[PromptType], params: list, loras: Optional[list] = None,
+             priorities: Optional[Seq[int]] = None) -> list[str]:
         """Queue every prompt (validated first, so a bad one leaves the engine untouched)."""
         inputs = []
         for p in prompts:
@@ -134,10 +142,10 @@ class LLM:
         ids = [f"{next(self._counter)}" for _ in inputs]
         added = []
         try:
-            for i, (rid, prompt, sp, lora) in enumerate(zip(ids, inputs, params,
-                                                             loras or [None] * len(ids))):
+            for i, (rid, prompt, sp, lora, prio) in enumerate(zip(
+                    ids, inputs, params, loras or [None] * len(ids), priorities or [0] * len(ids))):
                 try:
-                    self.engine.add_request(rid, prompt, sp, lora_request=lora)
+                    self.engine.add_request(rid, prompt, sp, lora_request=lora, priority=prio)
                 except RequestError as e:
                     raise RequestError(f"prompt {i}: {e}") from None
                 added.append(rid)

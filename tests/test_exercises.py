@@ -57,6 +57,8 @@ BUGS = {
     "beam_search": ("gen_len = beams[0].num_output_tokens + 1",  # the EOS not counted
                     "gen_len = beams[0].num_output_tokens"),
     "rejection_sampler": ("accept &= valid", "accept &= True"),  # padding counts as a guess
+    "priority": ("self.running[-1].priority <= seq.priority",  # equals preempt each other
+                 "self.running[-1].priority < seq.priority"),
 }
 
 

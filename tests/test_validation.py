@@ -17,7 +17,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from minipaged import LLM, BeamSearchParams, EngineConfig, RequestError, SamplingParams
-from minipaged.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES
+from minipaged.config import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES,
+                              SCHEDULING_POLICIES)
 from minipaged.config import QUANTIZATION_METHODS, USAGE_CONTEXTS
 from minipaged.validation import INT32_MAX, SEED_MAX, SEED_MIN
 
@@ -157,6 +158,7 @@ CONFIG_FIELDS = {
     "enable_prefix_caching": (st.booleans(), bad_bools()),
     "enable_chunked_prefill": (st.booleans(), bad_bools()),
     "preemption_mode": (st.sampled_from(PREEMPTION_MODES), bad_choices(PREEMPTION_MODES)),
+    "scheduling_policy": (st.sampled_from(SCHEDULING_POLICIES), bad_choices(SCHEDULING_POLICIES)),
     "swap_space": (optional(reals(0, 1e6)), bad_reals(0, none_ok=True)),
     "num_cpu_blocks": (optional(ints(0, BIG)), bad_ints(0, none_ok=True)),
     "seed": (ints(SEED_MIN, SEED_MAX), bad_ints(SEED_MIN, SEED_MAX)),

@@ -4,6 +4,7 @@
     minipaged generate stories260K --prompt "Once upon a time" --max-tokens 40
     minipaged chat stories260K                  type a line, get a reply (offline engine)
     minipaged bench stories260K --workload cpu  throughput table beside the HF baselines
+    minipaged bench serve --request-rate 2,8    requests at a rate against a running server
     minipaged serve stories260K --port 8000     the OpenAI-compatible server
     minipaged download stories260K              fetch a model now, so later runs need no network
     minipaged exercise list                     the build-it track (minipaged/exercises/)
@@ -28,7 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("minipaged.cli.demo", "stories260K through minipaged and naive HF, side by side"),
     "generate": ("minipaged.cli.generate", "generate text for one or more prompts"),
     "chat": ("minipaged.cli.chat", "chat with a model in the terminal (offline engine)"),
-    "bench": ("minipaged.cli.bench", "throughput beside the Hugging Face baselines"),
+    "bench": ("minipaged.cli.bench", "throughput beside the Hugging Face baselines; "
+                                     "`bench serve`: load at a rate against a server"),
     "serve": ("minipaged.cli.serve", "OpenAI-compatible server (vLLM's `vllm serve` flags)"),
     "download": ("minipaged.cli.download", "fetch a model into the cache now"),
     "exercise": ("minipaged.exercises.cli", "the build track: twelve stages, graders, hints, the capstone"),

@@ -1,5 +1,8 @@
 """`minipaged bench [MODEL]`: minipaged's throughput beside the naive Hugging Face baselines.
 
+(`minipaged bench serve ...` is the other benchmark: requests at a rate against a running
+server, cli/bench_serve.py; `minipaged bench serve --help`.)
+
 The workloads, runners and table live in `minipaged/benchmark/throughput.py` (lessons 03 and 08
 use them too, and its docstring is below); this is the command line around them, with every engine
 flag of `EngineConfig`. A bar counts the backends and one the requests of each (`--disable-tqdm`
@@ -136,6 +139,10 @@ def load_hf_twin(llm):
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:  # vLLM's `vllm bench serve`: the load client
+        from minipaged.cli import bench_serve
+        return bench_serve.main(argv[1:])
     return run_command(bench, argv)
 
 

@@ -10,6 +10,8 @@ since nothing of it is in the objects that run. The block manager's and the sche
     enable_lora          lora/scheduling.py     LoRAAdmission (`max_loras` adapters at once), and
                                                 the adapter id as the prefix cache's extra key
     preemption "swap"    swap/                  SwapPreemption, SwapBlockManager (a CPU pool)
+    scheduling_policy    priority/scheduling.py PriorityScheduling: queues in priority order, a
+    "priority"                                  more urgent request preempts less urgent ones
 
 A step loop that plans differently passes its own `Scheduler` subclass as `base`
 (async_sched/step_loop.py, spec_decode/scheduler.py); the mixins go on top of it. Beside them:
@@ -37,6 +39,7 @@ from minipaged.lora.scheduling import LoRAAdmission, lora_hash_key
 from minipaged.models.loader import load_model
 from minipaged.prompt_logprobs.extension import PromptLogprobsExtension
 from minipaged.prompt_logprobs.runner import PromptLogprobsRunner, scoring_requests
+from minipaged.priority.scheduling import PriorityScheduling
 from minipaged.sampling import Sampler
 from minipaged.sampling.kernel_sampler import KernelSampler
 from minipaged.structured_output.extension import StructuredOutputExtension
@@ -162,6 +165,7 @@ def build_engine_scheduler(config, block_manager: BlockManager, loop_cls) -> Sch
                            enable_chunked_prefill=config.enable_chunked_prefill,
                            preemption_mode=config.preemption_mode,
                            max_loras=config.max_loras if config.enable_lora else 0,
+                           scheduling_policy=config.scheduling_policy,
                            base=loop_cls.scheduler_cls, **loop_cls.scheduler_kwargs(config))
 
 
@@ -174,10 +178,13 @@ def build_sampler(config, eos_token_ids: list[int]) -> Sampler:
 def build_scheduler(block_manager: BlockManager, *, max_num_seqs: int,
                     max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
                     preemption_mode: str = "recompute", max_loras: int = 0,
-                    base: type[Scheduler] = Scheduler, **extra) -> Scheduler:
+                    scheduling_policy: str = "fcfs", base: type[Scheduler] = Scheduler,
+                    **extra) -> Scheduler:
     """`base` (the core `Scheduler` or a step loop's subclass) with the policies these knobs
     turn on; `max_loras` 0: no adapters. `extra`: keywords of `base`."""
     mixins: list[type] = []
+    if scheduling_policy == "priority":
+        mixins.append(PriorityScheduling)
     if preemption_mode == "swap":
         mixins.append(SwapPreemption)
     if max_loras:

@@ -105,11 +105,12 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: Optional[SamplingParams | BeamSearchParams] = None,
                     arrival_time: Optional[float] = None,
-                    lora_request: Optional[LoRARequest] = None) -> Sequence:
+                    lora_request: Optional[LoRARequest] = None, priority: int = 0) -> Sequence:
         """Queue a request. Raises `RequestError` (and queues nothing) if it can never be served.
 
         `lora_request` runs it with that LoRA adapter (needs `enable_lora`; the adapter is read
         and checked here unless the LoRA CPU cache or a device slot already holds it).
+        `priority` orders it under `scheduling_policy="priority"` (lower first; minipaged/priority/).
 
         `BeamSearchParams` queue a beam search (what `LLM.beam_search` does); `SamplingParams`
         with `n > 1` queue n samples of one prompt.
@@ -120,6 +121,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         processor.validate_params(request_id, params, vocab, self.config.max_logprobs)
         self.step_loop.check_request(request_id, params)  # what the loop cannot serve
+        processor.check_priority(request_id, priority, self.config.scheduling_policy)
         if lora_request is not None:  # read and checked here (lora/manager.py)
             processor.check_lora(request_id, lora_request, self.lora_manager)
         text, token_ids = processor.prompt_token_ids(request_id, prompt, vocab, self.tokenize)
@@ -137,7 +139,7 @@ class LLMEngine:
         holds = [h for h in (hold(request_id, params) for hold in self.ext.hold) if h]  # last
         seq = Sequence(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
                        prompt=text, arrival_time=arrival_time or time.time(),
-                       lora_request=lora_request)
+                       lora_request=lora_request, priority=priority)
         for start in created:
             start(seq)
         self.requests[request_id] = seq

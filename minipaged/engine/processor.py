@@ -6,9 +6,9 @@
 changed since) and adds what needs the model and the config: a prompt is text or a list of
 integer token ids inside the vocabulary, stop token ids are inside the vocabulary, and `logprobs`
 and `prompt_logprobs` are within `max_logprobs`; n samples or beams fit `max_num_seqs` (and
-beams the cache); a LoRA adapter is read and checked (lora/manager.py). A request that fails a
-check raises `RequestError` and nothing is queued (lesson 07: a request's fault is that
-request's alone).
+beams the cache); a LoRA adapter is read and checked (lora/manager.py); a `priority` is an
+integer, and other than 0 only under the priority policy. A request that fails a check raises
+`RequestError` and nothing is queued (lesson 07: a request's fault is that request's alone).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from typing import Callable, Optional
 from minipaged.groups.beam_search import BeamSearchParams
 from minipaged.lora.request import LoRARequest
 from minipaged.sampling import SamplingParams
+from minipaged.validation import check_int
 
 
 class RequestError(ValueError):
@@ -66,6 +67,23 @@ def validate_params(request_id: str, params, vocab_size: int, max_logprobs: int)
             raise RequestError(f"{field} must be <= max_logprobs ({max_logprobs}), got {k} "
                                f"(request {request_id!r}); raise max_logprobs (-1: no limit) "
                                f"to ask for more")
+
+
+PRIORITY_MIN, PRIORITY_MAX = -2**63, 2**63 - 1  # a 64-bit integer (it crosses msgpack)
+
+
+def check_priority(request_id: str, priority, scheduling_policy: str) -> None:
+    """An integer `priority`; other than 0 only under `scheduling_policy="priority"` (vLLM's
+    rule: a priority the scheduler would ignore is an error, not a silent no-op)."""
+    try:
+        check_int("priority", priority, PRIORITY_MIN, PRIORITY_MAX, note=" (lower runs first)")
+    except ValueError as e:
+        raise RequestError(f"{e} (request {request_id!r})") from None
+    if priority != 0 and scheduling_policy != "priority":
+        raise RequestError(f"priority={priority} needs scheduling_policy='priority' "
+                           f"(--scheduling-policy priority), but this engine schedules "
+                           f"{scheduling_policy!r}: first come, first served; send priority 0 "
+                           f"(request {request_id!r})")
 
 
 def check_lora(request_id: str, lora_request, lora_manager) -> None:

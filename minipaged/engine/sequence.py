@@ -84,6 +84,7 @@ class Sequence:
     index: int = 0  # which of the group's samples (its CompletionOutput.index); beams: a counter
     recompute_until: int = 0  # tokens whose K/V a recompute preemption threw away (for the trace)
     lora_request: Optional["LoRARequest"] = None  # the adapter it runs with (minipaged/lora/)
+    priority: int = 0  # scheduling_policy="priority": lower runs first (minipaged/priority/)
     # Speculative decoding (spec_decode/, lesson 10): the proposals the next step verifies (not
     # part of token_ids until accepted), and the request's totals proposed / accepted.
     spec_token_ids: list[int] = field(default_factory=list)

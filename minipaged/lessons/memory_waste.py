@@ -50,6 +50,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence as Seq
 
+from minipaged.simulator.admission import ContiguousAllocator, next_pow2
+from minipaged.simulator.admission import reservation as contiguous_reservation
+
 CATEGORIES = ("token_states", "reserved", "internal_fragmentation", "external_fragmentation",
               "free")
 CATEGORY_LABELS = {"token_states": "token states", "reserved": "reserved",
@@ -153,58 +156,10 @@ class WasteResult:
 
 
 # --- contiguous allocation ------------------------------------------------------------------
-def next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def reservation(strategy: str, request: Request, max_model_len: int) -> int:
-    """Slots a contiguous strategy reserves for `request` when it is admitted."""
-    if strategy == "max":
-        return max_model_len
-    if strategy == "pow2":
-        return min(next_pow2(request.kv_len), max_model_len)
-    if strategy == "oracle":
-        return request.kv_len
-    raise ValueError(f"unknown contiguous strategy {strategy!r}; choose from "
-                     f"{CONTIGUOUS_STRATEGIES}")
-
-
-class ContiguousAllocator:
-    """First-fit allocation of contiguous regions in a linear array of `capacity` slots."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.regions: dict[int, tuple[int, int]] = {}  # owner -> (start, size)
-
-    def holes(self) -> list[tuple[int, int]]:
-        """Free (start, size) runs, in address order."""
-        out, pos = [], 0
-        for start, size in sorted(self.regions.values()):
-            if start > pos:
-                out.append((pos, start - pos))
-            pos = start + size
-        if pos < self.capacity:
-            out.append((pos, self.capacity - pos))
-        return out
-
-    @property
-    def free_slots(self) -> int:
-        return self.capacity - sum(size for _, size in self.regions.values())
-
-    @property
-    def largest_hole(self) -> int:
-        return max((size for _, size in self.holes()), default=0)
-
-    def allocate(self, owner: int, size: int) -> Optional[int]:
-        """Start of the first hole that fits `size`, or None."""
-        for start, hole in self.holes():
-            if hole >= size:
-                self.regions[owner] = (start, size)
-                return start
-        return None
-
-    def free(self, owner: int) -> None:
-        del self.regions[owner]
+    """Slots a contiguous strategy reserves for `request` when it is admitted (the rule and the
+    allocator are the simulator's, minipaged/simulator/admission.py, lesson 13)."""
+    return contiguous_reservation(strategy, request.kv_len, max_model_len)
 
 
 @dataclass
@@ -314,7 +269,8 @@ def paged_step_usages(workload, num_blocks: int, block_size: int, *, max_model_l
     from minipaged.engine.block_manager import BlockManager
     from minipaged.sampling import SamplingParams
     from minipaged.engine.scheduler import Scheduler
-    from minipaged.engine.sequence import Sequence, SequenceStatus
+    from minipaged.engine.sequence import Sequence
+    from minipaged.simulator.clock import advance
 
     if hasattr(workload, "prompts"):
         prompts = [list(p) for p in workload.prompts]
@@ -333,21 +289,12 @@ def paged_step_usages(workload, num_blocks: int, block_size: int, *, max_model_l
             raise ValueError(f"request {i}: {len(p)} + {o} tokens exceed "
                              f"max_model_len={max_model_len}")
         sched.add(Sequence(str(i), p, SamplingParams(max_tokens=o, ignore_eos=True, temperature=0)))
-    placeholder = 0
     while sched.has_unfinished():
         out = sched.schedule()
         if out.is_empty:
             raise RuntimeError("the scheduler made no progress: the cache is too small for a "
                                "request")
-        sampling = [s.seq for s in out.scheduled if s.samples]  # decided before computing
-        for s in out.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
-            bm.cache_full_blocks(s.seq)
-        for seq in sampling:
-            seq.append_token(placeholder)
-            if (seq.num_output_tokens >= seq.sampling_params.max_tokens
-                    or seq.num_tokens >= max_model_len):
-                sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
+        advance(sched, out, max_model_len)  # the engine's work after a forward, without one
         if on_step is not None:
             on_step(sched, out)
         yield sched, bm.usage()

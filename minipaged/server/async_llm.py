@@ -31,6 +31,7 @@ from typing import Callable, Optional
 from minipaged.config import EngineConfig
 from minipaged.engine.llm_engine import RequestError
 from minipaged.engine.output import OutputProcessor, detokenize
+from minipaged.engine.processor import check_priority
 from minipaged.engine.sequence import Sequence, SequenceStatus
 from minipaged.models.loader import load_tokenizer, resolve_model
 from minipaged.sampling import Logprob, SamplingParams
@@ -108,14 +109,16 @@ class AsyncLLM:
     # --- requests ---------------------------------------------------------------------------
     async def generate(self, prompts: list[PromptInput], params: SamplingParams,
                        request_id: Optional[str] = None, stream: bool = True,
-                       lora_request: Optional[LoRARequest] = None) -> RequestStream:
+                       lora_request: Optional[LoRARequest] = None,
+                       priority: int = 0) -> RequestStream:
         """One engine request per prompt, each with `params.n` samples (and `lora_request`'s
-        adapter, if any). Returns once the core has accepted them all; raises `RequestError`
-        (nothing stays queued) if any is refused."""
+        adapter, if any; `priority` under the priority policy). Returns once the core has
+        accepted them all; raises `RequestError` (nothing stays queued) if any is refused."""
         if self.draining:
             raise EngineDeadError("the server is shutting down and accepts no new requests")
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running ({self.dead or 'not started'})")
+        check_priority(request_id or "new", priority, self.config.scheduling_policy)
         token_ids = [await self.tokenize(p) for p in prompts]
         for ids in token_ids:
             self.check_length(ids, params)
@@ -134,7 +137,8 @@ class AsyncLLM:
                                  accepted=loop.create_future())
             out.states.append(state)
             self.requests[rid] = state
-            if not self.client.send(AddRequest(rid, ids, core_params, now, lora_request)):
+            if not self.client.send(AddRequest(rid, ids, core_params, now, lora_request,
+                                               priority)):
                 self._die("the engine core is not listening")
                 raise EngineDeadError("the engine core stopped")
         if self.metrics is not None:

@@ -99,7 +99,7 @@ class EngineCore:
             params = SamplingParams(**msg.sampling_params)
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, params,
                                     arrival_time=msg.arrival_time,
-                                    lora_request=msg.lora_request)
+                                    lora_request=msg.lora_request, priority=msg.priority)
         except (ValueError, TypeError) as e:  # RequestError, or a field SamplingParams refuses
             self.rejected.append((msg.request_id, str(e)))
             return

@@ -29,6 +29,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     sampling_params: dict  # SamplingParams' fields (dataclasses.asdict), rebuilt and re-checked
     arrival_time: float
     lora_request: Optional[LoRARequest] = None  # the adapter the request's `model` names
+    priority: int = 0  # scheduling_policy="priority": lower runs first
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

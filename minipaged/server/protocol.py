@@ -86,6 +86,9 @@ class SamplingFields(OpenAIBaseModel):
     ignore_eos: bool = Field(False, description="vLLM extension: keep going past EOS (benchmarks)")
     min_tokens: int = Field(0, ge=0, description="vLLM extension: no EOS/stop before this many")
     stop_token_ids: Optional[list[int]] = Field(None, description="vLLM extension")
+    priority: int = Field(0, description="vLLM extension: lower runs first (default 0); other "
+                                         "than 0 needs a server started with --scheduling-policy "
+                                         "priority")
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Structured outputs (lesson 12; server/structured_outputs.py): at most one of these

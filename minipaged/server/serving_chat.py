@@ -83,7 +83,8 @@ class OpenAIServingChat(OpenAIServing):
                                       structured_outputs=tools.constraint)
         prompt = TextPrompt(await self.render_chat(req), add_special_tokens=False)
         request_id = random_id("chatcmpl")
-        stream = await self.submit([prompt], params, request_id, stream=req.stream, model=model)
+        stream = await self.submit([prompt], params, request_id, stream=req.stream, model=model,
+                                   priority=req.priority)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return SSEResponse(self._events(stream, req, model, request_id, stop_hold(params),

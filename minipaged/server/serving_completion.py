@@ -53,7 +53,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                       logprobs=req.logprobs, logprobs_field="logprobs",
                                       prompt_logprobs=prompt_logprobs)
         request_id = random_id("cmpl")
-        stream = await self.submit(prompts, params, request_id, stream=req.stream, model=model)
+        stream = await self.submit(prompts, params, request_id, stream=req.stream, model=model,
+                                   priority=req.priority)
         echo = (dict(zip((s.request_id for s in stream.states),
                          (self.prompt_text(p, req.skip_special_tokens) for p in prompts)))
                 if req.echo else {})

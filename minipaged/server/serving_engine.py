@@ -230,13 +230,16 @@ class OpenAIServing:
                               else None) from None
 
     async def submit(self, prompts, params: SamplingParams, request_id: str,
-                     stream: bool, model: Optional[str] = None) -> RequestStream:
+                     stream: bool, model: Optional[str] = None,
+                     priority: int = 0) -> RequestStream:
         """Queue the prompts; `model` (a checked name) picks the LoRA adapter, if it is one."""
         try:
             return await self.llm.generate(prompts, params, request_id, stream=stream,
-                                           lora_request=self.lora_request(model))
+                                           lora_request=self.lora_request(model),
+                                           priority=priority)
         except RequestError as e:  # prompt too long, bad token ids, tokenizing took too long
-            param = ("structured_outputs" if str(e).startswith("structured_outputs")
+            first = str(e).split(" ", 1)[0].split("=", 1)[0]
+            param = (first if first in ("structured_outputs", "priority")
                      else "prompt" if "prompt" in str(e) else None)
             raise OpenAIError(str(e), param=param) from None
         except EngineDeadError as e:
