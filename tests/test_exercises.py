@@ -187,7 +187,7 @@ def test_capstone_with_every_solution_is_token_exact_with_hf(tmp_path):
     assert report["yours"] == NAMES and report["passed"]
     checks = {c["name"]: c for c in report["checks"]}
     assert set(checks) == {"greedy parity", "seeded sampling", "beam search", "speculation",
-                           "Triton kernels"}
+                           "priorities", "Triton kernels"}
     assert all(c["passed"] and c["error"] is None for c in checks.values())
     assert checks["greedy parity"]["detail"].startswith("27 of 27 sequences token-exact")
     assert report["story"].startswith("Once upon a time, there was a little girl named Lily.")
@@ -226,6 +226,7 @@ def test_capstone_with_half_the_stages_reports_them_and_draws_their_trace(tmp_pa
         in proc.stdout
     checks = {c["name"]: c for c in report["checks"]}
     assert ("Triton kernels" in checks) == ("triton_attention" in mine)
+    assert ("priorities" in checks) == ("priority" in mine)
     trace = report["trace"]
     figures = report["figures"]
     tables = mpimg.imread(figures["block_tables"]["path"])

@@ -3,8 +3,8 @@
 The scheduler-level tests drive the real `Scheduler` + `BlockManager` (no model) with the
 engine's post-step rule (`tests.test_scheduler.step`'s, without its FCFS-only checks); the
 engine-level ones run stories260K. Lower `priority` runs first, ties by arrival; a more urgent
-waiting request preempts strictly less urgent running ones. These tests grade the exercise
-`priority` (minipaged/exercises/priority.py).
+waiting request preempts strictly less urgent running ones. These tests grade stage 13 of the
+build track, `priority` (minipaged/exercises/skeletons/priority.py).
 """
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                      "`bench serve`: load at a rate against a server"),
     "serve": ("minipaged.cli.serve", "OpenAI-compatible server (vLLM's `vllm serve` flags)"),
     "download": ("minipaged.cli.download", "fetch a model into the cache now"),
-    "exercise": ("minipaged.exercises.cli", "the build track: twelve stages, graders, hints, the capstone"),
+    "exercise": ("minipaged.exercises.cli", "the build track: thirteen stages, graders, hints, the capstone"),
 }
 
 

@@ -1,6 +1,6 @@
-"""Build it yourself: a track of twelve stages, in lesson order, that together are your engine.
+"""Build it yourself: a track of thirteen stages, in lesson order, that together are your engine.
 
-Lessons 02-06 and 10 each end by pointing at their stages. A stage is a *skeleton* module
+Lessons 02-06, 10 and 13 each end by pointing at their stages. A stage is a *skeleton* module
 (skeletons/): the real signatures and docstrings of the functions to write, bodies that raise
 NotImplementedError. You write it in a workspace of your own (`exercises/` by default; the files
 are yours to keep), and the project's own tests grade it with your functions swapped in for the

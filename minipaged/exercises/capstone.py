@@ -17,6 +17,9 @@ that do not share your code:
     beam search       3 beams: the same beams as Hugging Face's `generate(num_beams=3)`
     speculation       n-gram proposals verified by the rejection rule: seeded sampled requests
                       equal the project's engine, greedy ones Hugging Face
+    priorities        (when that stage is yours) the priority policy under a full cache: a
+                      late urgent request preempts its way in and finishes first, every
+                      sequence token-exact with Hugging Face
     Triton kernels    (when that stage is yours) the engine attending with your kernels, under
                       the Triton interpreter on a CPU: token-exact with Hugging Face
 
@@ -267,6 +270,40 @@ class Runs:
         return ok, (f"seeded: {same} of {len(sampled)} equal the project's engine; greedy: "
                     f"{exact} of {len(hf)} token-exact with HF")
 
+    def priorities(self) -> tuple[bool, str]:
+        """tests/test_priority_scheduling.py's engine run: four priority-1 requests fill a cache
+        of 24 blocks of 16; an urgent one (priority 0) arrives then, preempts its way in and
+        must finish first, every sequence token-exact with Hugging Face's greedy output."""
+        from minipaged import LLM, SamplingParams
+        llm = LLM("stories260K", **CPU, scheduling_policy="priority", num_blocks=24,
+                  block_size=16, max_num_seqs=8, max_model_len=256)
+        eng, tok = llm.engine, llm.get_tokenizer()
+        lows = [tok(f"Once upon a time there was a {w}").input_ids
+                for w in ("cat", "dog", "bird", "fish")]
+        urgent = tok(PAIR).input_ids
+        for i, ids in enumerate(lows):
+            eng.add_request(f"low{i}", ids, SamplingParams(temperature=0.0, max_tokens=150,
+                                                           ignore_eos=True), priority=1)
+        while eng.block_manager.num_free_blocks > 1:
+            eng.step()
+        preempted_before = sum(len(r.preempted) for r in eng.trace)
+        eng.add_request("urgent", urgent, SamplingParams(temperature=0.0, max_tokens=40,
+                                                         ignore_eos=True), priority=0)
+        finished, mine = [], {}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    finished.append(out.request_id)
+                    mine[out.request_id] = list(out.outputs[0].token_ids)
+        want = dict(zip([f"low{i}" for i in range(4)], self.hf_greedy(lows, 150)))
+        want["urgent"] = self.hf_greedy([urgent], 40)[0]
+        same = sum(mine.get(r) == t for r, t in want.items())
+        pre = sum(len(r.preempted) for r in eng.trace) - preempted_before
+        ok = finished[:1] == ["urgent"] and pre > 0 and same == len(want)
+        return ok, (f"finishing order {', '.join(finished)} ({pre} preemptions after the urgent "
+                    f"request arrived); {same} of {len(want)} sequences token-exact with HF "
+                    "greedy")
+
     def triton_kernels(self) -> tuple[bool, str]:
         from minipaged import LLM, SamplingParams
         device = "cuda" if torch.cuda.is_available() else "cpu"  # (the interpreter on a CPU)
@@ -302,6 +339,9 @@ def run_capstone(workspace: Path, out: Path, show_traceback: bool = False) -> di
              core + ["step_loop", "online_softmax", "fork", "beam_search"]),
             ("speculation", runs.speculation, core + ["online_softmax", "rejection_sampler"]),
         ]
+        if "priority" in ws.modules:  # the other workloads are first come, first served
+            plan.append(("priorities", runs.priorities, core + ["step_loop", "online_softmax",
+                                                                "priority"]))
         if "triton_attention" in ws.modules:
             plan.append(("Triton kernels", runs.triton_kernels,
                          core + ["step_loop", "triton_attention"]))

@@ -1,6 +1,6 @@
 """`minipaged exercise list | start | check | hint | status | solution | capstone`.
 
-    minipaged exercise list                    the twelve stages in lesson order
+    minipaged exercise list                    the thirteen stages in lesson order
     minipaged exercise list block_manager      one stage: what it needs, its concepts, lessons
     minipaged exercise start                   lays out the workspace: exercises/<stage>.py each
     minipaged exercise start block_manager     just one stage's file

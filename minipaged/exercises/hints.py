@@ -238,4 +238,20 @@ HINTS: dict[str, tuple[str, str, str]] = {
         "_draws: check len(generators); uniforms = rand((rows, max_k), generator); noise = "
         "empty((rows, vocab)).exponential_(generator); for each seeded row r: its first "
         "num_draft_tokens[r] uniforms and its noise row again from generators[r]."),
+    "priority": (
+        "The key decides the order of both queues: the more urgent a request, the smaller its "
+        "key, so admission takes it first and preemption takes it last. Preemption for a "
+        "waiting request is a trade: it only pays if the running one is strictly less urgent, "
+        "and only if room (seats or blocks) is what the waiting one lacks.",
+        "priority_key is a tuple, compared element by element: the priority, then the arrival "
+        "time (ties by arrival), then seq_id (same priority and arrival: created first). "
+        "can_displace looks at self.running[-1], the least urgent running sequence: an equal "
+        "priority must say no, or two equals would take turns preempting each other. Without "
+        "chunked prefill a prompt runs whole, so if its tokens not found in the prefix cache "
+        "exceed the budget, freeing blocks cannot help it.",
+        "priority_key: return (seq.priority, seq.arrival_time, seq.seq_id).\n"
+        "can_displace: if not self.running or self.running[-1].priority <= seq.priority: return "
+        "False; if not self.enable_chunked_prefill: _, num_cached = "
+        "self.block_manager.get_computed_blocks(seq); return seq.num_tokens - num_cached <= "
+        "budget; return True."),
 }

@@ -83,7 +83,9 @@ def _tests(path: str, *names: str) -> tuple[str, ...]:
 L02, L02B, L03, L04 = ("02_block_manager", "02b_one_request", "03_continuous_batching",
                        "04_sampling")
 L05, L06, L10 = "05_paged_attention_kernel", "06_sharing_and_preemption", "10_speculative_decoding"
+L13 = "13_serving_under_load"
 BM, SCHED, SAMPLER = "test_block_manager.py", "test_scheduler.py", "test_sampler.py"
+PRIO = "test_priority_scheduling.py"  # the scheduler's and the engine's tests, not the API's
 PREEMPTION_PARITY = "tests/test_parity.py::test_stories260k_under_preemption_and_chunked_prefill"
 
 STAGES: tuple[Stage, ...] = (
@@ -405,6 +407,37 @@ STAGES: tuple[Stage, ...] = (
         ),
         needs="sampler: the same exponential race draws the corrected token",
         capstone="the speculative run verifies with your rule"),
+    Stage(
+        name="priority", lesson=L13, minutes=40,
+        title="the priority policy: its sort key, and when a waiting request may preempt",
+        targets=("minipaged.priority.scheduling:priority_key",
+                 "minipaged.priority.scheduling:PriorityScheduling.can_displace"),
+        concepts=(
+            Concept("both queues in priority order: priority, then arrival, then creation",
+                    L13, "5. Priorities",
+                    _tests(PRIO, "test_priority_key_is_priority_then_arrival_then_creation",
+                           "test_waiting_queue_is_kept_in_priority_order",
+                           "test_preempted_request_goes_back_to_its_place_in_priority_order",
+                           "test_without_priorities_the_policy_plans_exactly_like_fcfs")),
+            Concept("preempt only a strictly less urgent request, only when room is missing",
+                    L13, "5. Priorities",
+                    _tests(PRIO, "test_high_priority_waiting_request_preempts_the_least_urgent_"
+                           "latest_arrival", "test_equal_priority_never_preempts_a_running_request",
+                           "test_seat_limit_preemption", "test_without_chunked_prefill_a_prompt_"
+                           "over_the_budget_preempts_nobody", "test_later_high_priority_request_"
+                           "finishes_before_earlier_low_priority_ones")),
+            Concept("the engine under the policy: urgent first, every workload finishes, the "
+                    "tokens unchanged", L13, "5. Priorities",
+                    _tests(PRIO, "test_random_workloads_with_priorities_finish_and_keep_the_"
+                           "queues_ordered", "test_engine_serves_a_late_urgent_request_first_"
+                           "and_the_tokens_do_not_change")),
+            Concept("the simulator plans like the real engine, step for step, under the policy",
+                    L13, "2. The engine on a virtual clock",
+                    ("tests/test_simulator.py::test_plans_match_the_real_engine_step_for_step"
+                     "[priority]",)),
+        ),
+        needs="admission, scheduler: admit places what fits, _preempt_last frees the last one",
+        capstone="the priorities run (when this stage is yours) schedules with your policy"),
 )
 
 

@@ -41,10 +41,12 @@ def get_computed_blocks(self, seq: Sequence) -> tuple[list[Block], int]:
     """Longest cached prefix of `seq` in whole blocks: (blocks, number of tokens they hold).
 
     At least one token is always left to compute, because the engine needs the logits of
-    the last token to sample the next one (vLLM does the same).
+    the last token to sample the next one (vLLM does the same). Nothing for a sequence that
+    computes every token (`skip_reading_prefix_cache`: prompt logprobs need them all).
     """
-    # Nothing with prefix caching off. Walk seq.token_ids block by block, chaining
-    # hash_block(parent, chunk, key); stop at the first miss of self.allocator.lookup.
+    # Nothing with prefix caching off or seq.skip_reading_prefix_cache set. Walk seq.token_ids
+    # block by block, chaining hash_block(parent, chunk, key); stop at the first miss of
+    # self.allocator.lookup.
     raise NotImplementedError("exercise: write BlockManager.get_computed_blocks")
 
 

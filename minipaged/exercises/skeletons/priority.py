@@ -1,29 +1,36 @@
-"""Exercise `priority` (lesson 13): the priority policy's order and its preemption rule.
+"""Stage 13, `priority` (lesson 13): the priority policy's order and its preemption rule.
 
 Write `priority_key` and `PriorityScheduling.can_displace` of minipaged/priority/scheduling.py.
 While the grader runs, your functions replace the real ones, and the scheduler built with
-`scheduling_policy="priority"` (and the engine on top of it) runs on yours. Grade them with
+`scheduling_policy="priority"` (and the engine and the simulator on top of it) runs on yours.
+Grade them with
 
     minipaged exercise check priority
 
 vLLM's rule: lower `priority` runs first, ties broken by arrival. The mixin keeps the waiting
 and the running queue sorted by your key (`bisect.insort(queue, seq, key=priority_key)`), so
 admission takes the first waiting sequence and the core's preemption takes the last running
-one. `can_displace` decides whether a waiting sequence that does not fit may preempt that last
-running one. What you can use:
+one. When the first waiting sequence does not fit, the mixin's `admit` asks `can_displace`
+whether preempting that last running one would help, and if so preempts it and tries again.
+
+Needs from stages 5 and 6 (admission, scheduler): `admit` places a waiting sequence when it
+fits (seats, budget, blocks); `_preempt_last` gives the last running sequence's blocks back.
+
+What you can use:
 
     seq.priority, seq.arrival_time, seq.seq_id     the request's priority, arrival, creation order
+    seq.num_tokens                                 its prompt (and output) tokens
     self.running                                   running sequences in your key's order
     self.enable_chunked_prefill                    False: a prompt runs whole or not at all
     self.block_manager.get_computed_blocks(seq)    (cached blocks, tokens found in the cache)
 
-Two traps the tests know about: two requests of the same priority must never preempt each other
-(they would take turns forever), and a prompt held back by the token budget gains nothing from
-a preemption.
+Two traps the graders know about: two requests of the same priority must never preempt each
+other (they would take turns forever), and a prompt held back by the token budget gains nothing
+from a preemption.
 """
 from __future__ import annotations
 
-from minipaged.engine.sequence import Sequence  # noqa: F401
+from minipaged.engine.sequence import Sequence
 
 
 def priority_key(seq: Sequence) -> tuple[int, float, int]:
