@@ -2,7 +2,7 @@
 engine's, step for step, on the same arrival trace (stories260K, preemption and chunked prefill
 forced, both scheduling policies); its clock follows the cost model exactly; the cost model's
 fit recovers known coefficients. (How close its times come to measured ones is a benchmark:
-benchmarks/simulator_validation.py.)"""
+benchmarks/experiments/serving_load/simulator_validation.py.)"""
 from __future__ import annotations
 
 import random

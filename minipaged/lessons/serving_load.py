@@ -1,7 +1,7 @@
 """What lesson 13 (serving under load) imports: the paper's regime, its figures, small runs.
 
 The simulator (minipaged/simulator/) does the work; this module holds the settings the lesson,
-benchmarks/paper_curve.py and the README share, and draws their pictures.
+benchmarks/experiments/serving_load/paper_curve.py and the README share, and draws their pictures.
 
 * The vLLM paper's memory regime (its Fig. 12 served OPT-13B on one A100-40GB): about 12 GB of
   the GPU holds KV cache, at 800 KB per token (2 x 40 layers x 5120 x 2 bytes), so about 14,600

@@ -13,7 +13,7 @@ queued the clock jumps to the next arrival.
 
 With the same arrivals at the same step boundaries the plans are the real engine's, step for
 step (tests/test_simulator.py checks it against stories260K); the clock is as good as the cost
-model (benchmarks/simulator_validation.py measures how good). Because a step costs microseconds
+model (benchmarks/experiments/serving_load/simulator_validation.py measures how good). Because a step costs microseconds
 of Python instead of a forward, a learner sweeps request rates over thousands of requests in
 seconds: that is how lesson 13 finds the latency knee and moves it with paged memory.
 

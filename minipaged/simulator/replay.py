@@ -5,7 +5,7 @@
   decisions, and its trace must be the simulator's step for step (tests/test_simulator.py).
 * `replay` adds each request when its arrival time has come and steps the engine as fast as it
   goes (an offline `LLMEngine` in this process, no server): the measurement the simulator's
-  clock is judged against (benchmarks/simulator_validation.py). A request that arrives during a
+  clock is judged against (benchmarks/experiments/serving_load/simulator_validation.py). A request that arrives during a
   step joins before the next one, in both, and its TTFT counts that wait. Its clock is the wall
   clock (`clock="wall"`), or this process's CPU time (`"cpu"`, the default): each step and each
   `add_request` advance it by the CPU time they took, and an idle engine jumps to the next

@@ -1,8 +1,8 @@
 """The virtual clock against the real engine: simulated vs measured TTFT and normalized latency
 at three request rates (stories260K on this machine's CPU, one torch thread).
 
-    python benchmarks/simulator_validation.py            # ~3 minutes on 2 CPU cores
-    python benchmarks/simulator_validation.py --num-requests 300 --rates 0.3,0.8,1.6
+    python benchmarks/experiments/serving_load/simulator_validation.py            # ~3 minutes on 2 CPU cores
+    python benchmarks/experiments/serving_load/simulator_validation.py --num-requests 300 --rates 0.3,0.8,1.6
 
 1. Calibrate: the real engine (offline `LLMEngine`, the `cpu` workload: prompts U[4, 64],
    outputs U[16, 256]) serves a calibration trace (its own seed) all at once and then at one
@@ -50,7 +50,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT))
 
 from minipaged import LLM, SamplingParams  # noqa: E402
 from minipaged.benchmark.serving import arrival_offsets  # noqa: E402
@@ -65,7 +66,7 @@ TOLERANCE = {"mean_normalized_latency_s": 0.15, "mean_ttft_ms": 0.30}  # below t
 TOLERANCE_OWN_FIT = {"mean_normalized_latency_s": 0.10, "mean_ttft_ms": 0.20}  # every rate
 KNOBS = dict(num_blocks=256, block_size=16, max_num_seqs=64, max_num_batched_tokens=512)
 MAX_MODEL_LEN = 512
-OUT = Path(__file__).resolve().parent / "results" / "simulator_validation_cpu_stories260k.json"
+OUT = ROOT / "benchmarks" / "results" / "simulator_validation_cpu_stories260k.json"
 
 
 def engine() -> LLM:

@@ -2,8 +2,8 @@
 paged minipaged, reservation-based admission (Orca Max / Pow2 / Oracle) and static batching,
 on ShareGPT-like and Alpaca-like lengths, and the capacity ratio at the knee.
 
-    python benchmarks/paper_curve.py                  # ~15 minutes on 2 CPU cores
-    python benchmarks/paper_curve.py --num-requests 300 --cost cpu
+    python benchmarks/experiments/serving_load/paper_curve.py                  # ~15 minutes on 2 CPU cores
+    python benchmarks/experiments/serving_load/paper_curve.py --num-requests 300 --cost cpu
 
 Every system runs in minipaged's simulator (minipaged/simulator/: the real scheduler and
 block manager, admission policies as scheduler mixins) with the paper's memory regime: 14,600
@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 from minipaged.benchmark.throughput import make_workload  # noqa: E402
@@ -49,7 +49,7 @@ def cost_model(name: str) -> StepCostModel:
         return a100_opt13b_cost()
     if not VALIDATION.exists():
         raise SystemExit(f"--cost cpu needs {VALIDATION.relative_to(ROOT)}: run "
-                         "benchmarks/simulator_validation.py first")
+                         "benchmarks/experiments/serving_load/simulator_validation.py first")
     return StepCostModel.from_dict(json.loads(VALIDATION.read_text())["cost_model"])
 
 
