@@ -20,6 +20,7 @@ set -euo pipefail
 out=${OUT:-benchmarks/results}
 port=${PORT:-8123}
 model=${MODEL:-dummy:qwen3-0.6b}
+py=${PYTHON:-python3}  # the interpreter with minipaged[serve] installed
 server_args=${SERVER_ARGS:---dtype bfloat16 --block-size 128 --max-num-batched-tokens 8192 --max-model-len 4096}
 sweeps=${SWEEPS:-nanovllm:300:10,20,30,40,60 sharegpt:400:15,30,45,60,90}  # workload:prompts:rates
 mkdir -p "$out"
@@ -29,12 +30,12 @@ server_log=$(mktemp)
 
 log "starting minipaged serve $model on port $port ($server_args)"
 # shellcheck disable=SC2086
-python -m minipaged.cli serve "$model" --port "$port" $server_args --uvicorn-log-level warning \
+"$py" -m minipaged.cli serve "$model" --port "$port" $server_args --uvicorn-log-level warning \
     --disable-log-requests > "$server_log" 2>&1 &
 server=$!
 stop() { kill -INT "$server" 2>/dev/null && wait "$server" 2>/dev/null || true; }
 trap stop EXIT
-python - "$port" "$server" "$server_log" <<'PY'
+"$py" - "$port" "$server" "$server_log" <<'PY'
 import os, sys, time, urllib.request
 port, pid, log = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 for _ in range(300):
@@ -55,7 +56,7 @@ log "server ready"
 for spec in $sweeps; do
   IFS=: read -r workload prompts rates <<< "$spec"
   log "$workload: $prompts requests at each of $rates req/s"
-  python -m minipaged.cli bench serve --base-url "http://127.0.0.1:$port" --model "$model" \
+  "$py" -m minipaged.cli bench serve --base-url "http://127.0.0.1:$port" --model "$model" \
       --workload "$workload" --num-prompts "$prompts" --request-rate "$rates" --num-warmups 32 \
       --goodput ttft:500 tpot:50 --json "$out/serve_rate_h200_$workload.json"
   log "$workload sweep done: $out/serve_rate_h200_$workload.json and .png"
