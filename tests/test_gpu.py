@@ -121,6 +121,32 @@ def test_same_step_prefix_hits_on_gpu(async_scheduling):
     assert [o.outputs[0].token_ids for o in outs] == _greedy_hf(hf, [prompt], 32) * 8
 
 
+def test_no_attention_kernel_compiles_after_the_engine_is_built(tmp_path):
+    """The runner compiles every attention variant at build (`TritonBackend.compile_variants`):
+    prefix hits (short queries over long contexts), mixed steps of a few tokens, long prompts,
+    split-KV decodes and CUDA-graph replays then compile nothing while requests are served."""
+    from triton import knobs
+    make_tiny_hf_model("qwen3", tmp_path / "q3", dtype=torch.float32)
+    llm = LLM(str(tmp_path / "q3"), dtype="bfloat16", device="cuda", max_num_seqs=32,
+              num_blocks=1024, block_size=16, enable_prefix_caching=True,
+              max_num_batched_tokens=512)
+    compiled = []
+    knobs.runtime.jit_cache_hook = lambda **kw: compiled.append(kw["fn"].name) and False
+    try:
+        rng = random.Random(3)
+        shared = [rng.randrange(3, 97) for _ in range(180)]  # the tiny model's context is 256
+        prompts = [shared + [rng.randrange(3, 97) for _ in range(rng.randint(1, 40))]
+                   for _ in range(12)] + _prompts(12, 97, 4) + [shared]
+        sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        llm.generate(prompts, sp, use_tqdm=False)
+        llm.generate([shared] + prompts[:3], sp, use_tqdm=False)  # whole-prompt hits
+    finally:
+        knobs.runtime.jit_cache_hook = None
+    hits = [e.num_cached_tokens for r in llm.trace for e in r.scheduled]
+    assert max(hits) >= 176  # the shared prefix's 11 full blocks were found
+    assert [n for n in compiled if "attention" in n or "splits" in n] == []
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_prompt_logprobs_on_gpu_equal_hf(async_scheduling):
     """Prompt logprobs on the GPU path (CUDA graphs for the decodes around them, the GPU

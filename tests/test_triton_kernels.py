@@ -369,3 +369,33 @@ def test_engine_with_the_gpu_choices_equals_torch_ref():
              if any(e.num_decode_tokens for e in r.scheduled)
              and any(e.num_prefill_tokens > 1 for e in r.scheduled)]
     assert mixed, "no step mixed decodes with prompt chunks"
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(16, 8, 128), (32, 8, 128),
+                                                             (8, 8, 64), (8, 1, 256)])
+def test_kernel_variants_cover_every_launch_a_step_can_make(num_heads, num_kv_heads, head_dim):
+    """What the GPU runner compiles at build (`compile_variants`) is every (tile config, split)
+    that `_launches` can pick for any query length and context, and every reduction factor."""
+    variants = TritonBackend.kernel_variants(num_heads, num_kv_heads, head_dim)
+    compiled = {(c, ns > 1) for c, _, ns in variants}
+    reductions = {ns for _, _, ns in variants if ns > 1}
+    group = num_heads // num_kv_heads
+    needed_configs = {tk.decode_config(head_dim, group, False)}
+    needed_configs |= {tk.prefill_config(head_dim, group, q, False) for q in range(2, 9000)}
+    for config in needed_configs:
+        assert {(config, False), (config, True)} <= compiled, config
+    for programs in (1, 3, 8, 40, 132, 1000):
+        for context in (1, 100, 4096, 100_000):
+            ns = tk.choose_num_splits(programs, context, tk.decode_config(head_dim, group, False),
+                                      132, 64)
+            assert ns == 1 or ns in reductions, (programs, context, ns)
+
+
+def test_compile_variants_launches_each_variant_without_touching_the_cache():
+    backend = TritonBackend()
+    k_cache = torch.randn(4, 16, 2, 32, device=DEVICE)  # (num_blocks, block_size, kv heads, dim)
+    v_cache = torch.randn(4, 16, 2, 32, device=DEVICE)
+    before = (k_cache.clone(), v_cache.clone())
+    n = backend.compile_variants(4, k_cache, v_cache, torch.float32)
+    assert n == len(TritonBackend.kernel_variants(4, 2, 32)) > 7
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])

@@ -19,9 +19,12 @@ from typing import Optional
 import torch
 
 import minipaged.attention.triton_kernels as tk
-from minipaged.attention.metadata import AttentionBackend, AttentionMetadata
+from minipaged.attention.metadata import (BLOCK_TABLE_WIDTH_MULTIPLE, AttentionBackend,
+                                          AttentionMetadata)
+from minipaged.utils import cdiv
 
 _NUM_SMS: dict[str, int] = {}
+MAX_SPLITS = 64  # the most parts `choose_num_splits` cuts a key range into
 
 
 def num_sms(device: torch.device) -> int:
@@ -110,7 +113,7 @@ class TritonBackend(AttentionBackend):
                 block_q = config.block_m // tk.triton.next_power_of_2(group)
                 programs = part.num_seqs * tk.triton.cdiv(part.max_query_len, block_q) * num_kv_heads
                 num_splits = tk.choose_num_splits(programs, part.max_context_len, config,
-                                                  num_sms(q.device))
+                                                  num_sms(q.device), MAX_SPLITS)
             workspace = None
             if num_splits > 1:  # shared by all layers of the step: they run one after another
                 # rows are indexed by the token's place in the whole step: up to the part's end
@@ -118,6 +121,49 @@ class TritonBackend(AttentionBackend):
                 workspace = tk.split_workspace(rows, num_heads, head_dim, num_splits, q.device)
             launches.append(_Launch(part, config, num_splits, workspace))
         return launches
+
+    @staticmethod
+    def kernel_variants(num_heads: int, num_kv_heads: int,
+                        head_dim: int) -> list[tuple[tk.KernelConfig, int, int]]:
+        """(tile config, query length, split factor) for each attention kernel variant a step
+        of this model can launch on a GPU: every tile shape `decode_config` / `prefill_config`
+        return (query lengths past 256 give the same as 256), with and without split-KV, and
+        the reduction's variant for each split factor `choose_num_splits` can pick (once, with
+        the decode tiles)."""
+        group = num_heads // num_kv_heads
+        configs = {tk.decode_config(head_dim, group, False): 1}  # config -> a query length
+        for q_len in (2, 4, 8, 16, 32, 64, 128, 256):
+            configs.setdefault(tk.prefill_config(head_dim, group, q_len, False), q_len)
+        return [(config, q_len, num_splits) for config, q_len in configs.items()
+                for num_splits in ([1 << i for i in range(MAX_SPLITS.bit_length())]
+                                   if q_len == 1 else [1, 2])]
+
+    @torch.inference_mode()
+    def compile_variants(self, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         dtype: torch.dtype) -> int:
+        """Launch the attention kernels once in every variant of `kernel_variants`; returns how
+        many launches that took.
+
+        Triton compiles a kernel the first time it meets a new set of constants: here a new tile
+        shape or split factor. Without this the first request that meets one (a prompt whose
+        prefix is cached leaves a short query; a mixed step of a few tokens) waits about a
+        second for the compiler in the middle of serving. The GPU runner calls this once at
+        build, before CUDA-graph capture. The queries are zeros and every key is read from
+        block 0 of the cache; nothing is written to it.
+        """
+        num_kv_heads, head_dim, block_size = k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]
+        variants = self.kernel_variants(num_heads, num_kv_heads, head_dim)
+        device, m = k_cache.device, BLOCK_TABLE_WIDTH_MULTIPLE  # a step's row-stride divisibility
+        for config, q_len, num_splits in variants:
+            context = max(q_len, num_splits * config.block_n)  # a key tile for each split
+            width = cdiv(cdiv(context, block_size), m) * m
+            tk.paged_attention(
+                torch.zeros(q_len, num_heads, head_dim, dtype=dtype, device=device),
+                k_cache, v_cache, torch.zeros(1, width, dtype=torch.int32, device=device),
+                torch.tensor([context], dtype=torch.int32, device=device),
+                torch.tensor([0, q_len], dtype=torch.int32, device=device), 1.0,
+                num_seqs=1, max_query_len=q_len, config=config, num_splits=num_splits)
+        return len(variants)
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, metadata: AttentionMetadata) -> None:

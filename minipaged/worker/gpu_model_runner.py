@@ -31,6 +31,7 @@ import torch
 
 from minipaged.attention import AttentionBackend, AttentionMetadata
 from minipaged.attention.metadata import BLOCK_TABLE_WIDTH_MULTIPLE
+from minipaged.attention.triton_backend import TritonBackend
 from minipaged.engine.scheduler import SchedulerOutput
 from minipaged.utils import cdiv, to_device
 from minipaged.worker.cuda_graphs import DECODE, CUDAGraphRunner, CUDAGraphs
@@ -55,6 +56,10 @@ class GPUModelRunner(ModelRunner):
                  *, max_num_seqs: int, max_model_len: int, cuda_graphs: bool):
         super().__init__(model, kv_cache, backend, block_size)
         self.cuda_graphs = CUDAGraphs()  # spec_decode/ and lora/ register their sets here too
+        if self.device.type == "cuda" and isinstance(backend, TritonBackend):
+            # every attention kernel variant compiled now, not when a request first needs it
+            backend.compile_variants(model.config.num_attention_heads, kv_cache[0, 0],
+                                     kv_cache[0, 1], model.model.embed_tokens.weight.dtype)
         if cuda_graphs:
             decode = CUDAGraphRunner(model, kv_cache, backend, max_num_seqs=max_num_seqs,
                                      max_model_len=max_model_len, block_size=block_size,
