@@ -3,7 +3,7 @@
 # `minipaged serve` with dummy Qwen3-0.6B weights (bf16), for the nano-vllm workload (prompts and
 # outputs U[100, 1024]) and ShareGPT-like lengths (exponential, means 161 in / 338 out).
 #
-#   bash benchmarks/serve_rate_h200.sh          # about 5-6 minutes; progress on stdout
+#   bash benchmarks/serve_rate_h200.sh          # about 7 minutes; progress on stdout
 #   MODEL=stories260K SERVER_ARGS="--device cpu" SWEEPS="sharegpt:20:2,8" OUT=/tmp/x \
 #       bash benchmarks/serve_rate_h200.sh      # the same steps, small, on a CPU
 #
@@ -22,7 +22,7 @@ port=${PORT:-8123}
 model=${MODEL:-dummy:qwen3-0.6b}
 py=${PYTHON:-python3}  # the interpreter with minipaged[serve] installed
 server_args=${SERVER_ARGS:---dtype bfloat16 --block-size 128 --max-num-batched-tokens 8192 --max-model-len 4096}
-sweeps=${SWEEPS:-nanovllm:300:10,20,30,40,60 sharegpt:400:15,30,45,60,90}  # workload:prompts:rates
+sweeps=${SWEEPS:-nanovllm:600:10,20,30,40,50 sharegpt:400:15,30,45,60,90}  # workload:prompts:rates
 mkdir -p "$out"
 t0=$(date +%s)
 log() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
