@@ -152,13 +152,11 @@ class LLMEngine:
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            for abort in self.ext.abort:
+            for abort in self.ext.abort:  # e.g. a group's samples and beams are aborted
                 abort(rid)
             seq = self.requests.pop(rid, None)
-            group = self.groups.pop(rid, None)
-            for s in group.seqs if group is not None else [seq] if seq is not None else []:
-                if not s.is_finished:  # every sample / beam gives its blocks back
-                    self.scheduler.finish(s, SequenceStatus.FINISHED_ABORTED)
+            if seq is not None and not seq.is_finished:  # it gives its blocks back
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self.step_loop.has_unfinished_requests()
@@ -246,8 +244,6 @@ class LLMEngine:
             for seq, exc in errors:
                 self.fail_request(seq, exc, outputs, finished)
         self.process_tokens(sampling, sampler_out, outputs, finished)
-        for hook in self.ext.after_sample:  # e.g. beam searches step
-            hook(self, outputs, finished)
         return outputs, finished
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]):
@@ -286,14 +282,15 @@ class LLMEngine:
         """Append each sampled token, check stops, finish; adds to `outputs` and `finished`.
         A raise while one request is processed fails that request alone (`fail_request`)."""
         now = time.time()
-        touched: dict[str, SequenceGroup] = {}  # groups with a sample this step
         out = self.output_processor
+        appended: list[Sequence] = []  # the sequences that got their token
         for row, seq in enumerate(sampling):
             if seq.is_finished:  # aborted, failed, or stopped by a token read a step late
                 continue
             try:
                 token = sampler_out.token_ids[row]
                 seq.append_token(token)
+                appended.append(seq)
                 if seq.first_token_time is None:
                     seq.first_token_time = now
                 if sampler_out.logprobs and sampler_out.logprobs[row] is not None:
@@ -305,9 +302,9 @@ class LLMEngine:
                 if status is not None:
                     seq.finished_time = now
                     self.scheduler.finish(seq, status)
-                if seq.group is not None:  # one of n samples: the request ends with its last
-                    touched[seq.request_id] = seq.group
-                elif status is not None:
+                if seq.group is not None:  # one of n samples: its group reports (after_tokens)
+                    continue
+                if status is not None:
                     outputs.append(out.make_output(seq))
                     self.requests.pop(seq.request_id, None)
                     finished.append(seq.request_id)
@@ -316,19 +313,8 @@ class LLMEngine:
                     outputs.append(out.make_output(seq))
             except Exception as exc:  # this request's fault: it fails alone
                 self.fail_request(seq, exc, outputs, finished)
-        for rid, group in touched.items():
-            if rid not in self.requests:  # it failed this step
-                continue
-            try:
-                if group.is_finished:
-                    outputs.append(out.make_group_output(group, None))
-                    self.requests.pop(rid, None)
-                    self.groups.pop(rid, None)
-                    finished.append(rid)
-                elif self.stream_outputs:
-                    outputs.append(out.make_group_output(group, None))
-            except Exception as exc:
-                self.fail_request(group.seqs[0], exc, outputs, finished)
+        for hook in self.ext.after_tokens:  # e.g. groups report, beam searches step
+            hook(self, appended, outputs, finished)
 
     def record_step(self, sched: SchedulerOutput, finished: list[str], t0: float,
                     wait_time: float = 0.0) -> None:
