@@ -18,7 +18,6 @@ block manager's policies, runner wrappers. `LLM` (llm.py) and the server loop `s
 """
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from typing import Iterable, Optional
@@ -44,9 +43,6 @@ from minipaged.models.config import ModelConfig, parse_dtype
 from minipaged.models.loader import load_tokenizer, resolve_model
 from minipaged.sampling import SamplerOutput, SamplingParams
 from minipaged.worker.cpu_threads import apply_cpu_threads
-
-logger = logging.getLogger("minipaged.engine")
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
@@ -193,7 +189,7 @@ class LLMEngine:
     def fail_before_forward(self, seq: Sequence, exc: Exception) -> None:
         """Fail `seq`'s request alone before the step's forward (an extension found it cannot
         run); its output goes out with the step's (`with_failed`)."""
-        self.fail_request(seq, exc, self._failed_outputs, self._failed_ids)
+        failures.fail_request(self, seq, exc, self._failed_outputs, self._failed_ids)
 
     def with_failed(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """A step's outputs, after those of requests that failed before its forward."""
@@ -242,40 +238,14 @@ class LLMEngine:
                 logits = hook(logits, sampling)
             sampler_out, sampling, errors = self.sample(logits, sampling)
             for seq, exc in errors:
-                self.fail_request(seq, exc, outputs, finished)
+                failures.fail_request(self, seq, exc, outputs, finished)
         self.process_tokens(sampling, sampler_out, outputs, finished)
         return outputs, finished
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]):
         """Returns (the sampler's output, the sequences it holds tokens for, [(sequence, error)]
         of the rows that raised). A raise in the batch is traced to its rows (failures.py)."""
-        generators = failures.save_generators(seqs)  # seeded rows: for a retry after a raise
-        try:
-            return self.sampler(logits, seqs), seqs, []
-        except Exception:
-            # Runs only after the batch raised: each row alone, so only the rows that raise fail.
-            done, errors = failures.sample_rows_alone(self.sampler, logits, seqs, generators)
-            return (failures.join_outputs([out for _, out in done]), [seq for seq, _ in done],
-                    errors)
-
-    def fail_request(self, seq: Sequence, exc: Exception, outputs: list[RequestOutput],
-              finished: list[str]) -> None:
-        """End `seq`'s whole request with FINISHED_ERROR (every sample or beam), free its
-        blocks, and report it in this step's `outputs` and `finished`."""
-        root = self.requests.pop(seq.request_id, None)
-        if root is None:  # it has already failed this step (another of its samples)
-            return
-        group = self.groups.pop(seq.request_id, None)
-        error = failures.describe(exc)
-        logger.warning("request %r failed: %s", seq.request_id, error, exc_info=exc)
-        # The culprit, even if it had finished, and every other sequence still running.
-        live = failures.held_seqs(self.scheduler, seq.request_id)
-        for s in dict.fromkeys([seq] + live):
-            self.scheduler.finish(s, SequenceStatus.FINISHED_ERROR)
-            s.error = error
-        root.error, root.finished_time = error, time.time()
-        outputs.append(failures.error_output(self.output_processor, root, group, live))
-        finished.append(seq.request_id)
+        return failures.sample_batch(self.sampler, logits, seqs)
 
     def process_tokens(self, sampling: list[Sequence], sampler_out: Optional[SamplerOutput],
                        outputs: list[RequestOutput], finished: list[str]) -> None:
@@ -312,7 +282,7 @@ class LLMEngine:
                     out.detokenize(seq)
                     outputs.append(out.make_output(seq))
             except Exception as exc:  # this request's fault: it fails alone
-                self.fail_request(seq, exc, outputs, finished)
+                failures.fail_request(self, seq, exc, outputs, finished)
         for hook in self.ext.after_tokens:  # e.g. groups report, beam searches step
             hook(self, appended, outputs, finished)
 

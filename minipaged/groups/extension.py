@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
+from minipaged.engine import failures
 from minipaged.engine.extensions import RequestExtension
 from minipaged.engine.processor import RequestError
 from minipaged.engine.sequence import Sequence, SequenceStatus
@@ -103,7 +104,8 @@ class GroupExtension(RequestExtension):
             try:
                 outputs += self.step_beams(engine, group, finished)
             except Exception as exc:  # this request's fault: it fails alone
-                engine.fail_request(engine.requests[group.request_id], exc, outputs, finished)
+                failures.fail_request(engine, engine.requests[group.request_id], exc, outputs,
+                                      finished)
 
     def report_samples(self, engine, seqs: list[Sequence], outputs: list,
                        finished: list[str]) -> None:
@@ -123,7 +125,7 @@ class GroupExtension(RequestExtension):
                 elif engine.stream_outputs:
                     outputs.append(out.make_group_output(group, None))
             except Exception as exc:
-                engine.fail_request(group.seqs[0], exc, outputs, finished)
+                failures.fail_request(engine, group.seqs[0], exc, outputs, finished)
 
     def step_beams(self, engine, group: SequenceGroup, finished: list[str]) -> list:
         """One beam-search step of `group`; its output when it ends (or streams)."""
