@@ -29,13 +29,13 @@ from minipaged.config import EngineConfig
 from minipaged.engine import failures, processor
 from minipaged.engine.build import (build_engine_scheduler, build_extensions,
                                     build_kv_block_manager, build_kv_cache, build_model,
-                                    build_runner, build_sampler, settle)
+                                    build_runner, build_sampler, settle, step_loop_class)
 from minipaged.engine.output import OutputProcessor, RequestOutput, eos_token_ids
 from minipaged.engine.processor import RequestError
 from minipaged.engine.scheduler import Scheduler, SchedulerOutput
 from minipaged.engine.sequence import Sequence, SequenceStatus
 from minipaged.groups.group import SequenceGroup
-from minipaged.engine.step_loop import StepLoop, SyncStepLoop
+from minipaged.engine.step_loop import StepLoop
 from minipaged.engine.trace import StepRecord, StepTimes, step_record
 from minipaged.groups.beam_search import BeamSearchParams
 from minipaged.lora.request import LoRARequest
@@ -71,7 +71,7 @@ class LLMEngine:
         self.num_blocks = self.kv_cache.shape[2]  # (layers, 2, num_blocks, block_size, ...)
         self.block_manager, self.cpu_cache = build_kv_block_manager(  # (+ swap's CPU pool)
             config, self.num_blocks, self.kv_cache, self.block_bytes)
-        loop_cls = step_loop_class(config)  # the step loop, chosen once (engine/step_loop.py)
+        loop_cls = step_loop_class(config)  # the step loop, chosen once (step_loop.py)
         self.scheduler = build_engine_scheduler(config, self.block_manager, loop_cls)
         self.model_runner = build_runner(config, self.model, self.kv_cache, self.backend,
                                          self.lora_manager, self.cpu_cache)
@@ -298,15 +298,3 @@ class LLMEngine:
             self.num_steps, t0 - self._start, time.perf_counter() - t0, wait_time),
             bm.prefix_queries - queries, bm.prefix_hits - hits))
         self.num_steps += 1
-
-
-def step_loop_class(config: EngineConfig) -> type[StepLoop]:
-    """The step loop a resolved config asks for: the names of the capabilities that bring
-    their own loop appear here, and nowhere else in the core."""
-    if config.speculative_config is not None:  # propose, verify, roll back (lesson 10)
-        from minipaged.spec_decode.step_loop import SpecDecodeStepLoop
-        return SpecDecodeStepLoop
-    if config.async_scheduling:  # plan step t+1 while the GPU runs step t (lesson 08)
-        from minipaged.async_sched.step_loop import AsyncStepLoop
-        return AsyncStepLoop
-    return SyncStepLoop
