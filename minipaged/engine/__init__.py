@@ -9,6 +9,7 @@
     failures.py       a request that raises while it is stepped fails alone
     beam_search.py    beam search's rules (Hugging Face's), on top of sequence groups
     trace.py          one `StepRecord` per step, for the lessons' plots
+    block_usage.py    a block manager's accounting (`block_usage`) and self-check (`check_invariants`)
 
 Nothing here touches the GPU: the worker (`minipaged/worker/`) turns a `SchedulerOutput` into
 tensors and logits.

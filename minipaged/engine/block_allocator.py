@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Optional
+from typing import Hashable, Optional
 
 
 @dataclass
@@ -110,30 +110,6 @@ class BlockAllocator:
             del self.hash_to_block[block.block_hash]
         block.block_hash = None
         block.token_ids = ()
-
-    def check_invariants(self, tables: Iterable[list[int]], what: str) -> list[int]:
-        """Raise unless every block's ref count equals its number of entries in `tables`, a
-        block is in the free queue exactly when nothing references it, and the hash index and
-        the cached count agree with the blocks. Returns the references counted per block."""
-        refs = [0] * self.num_blocks
-        for table in tables:
-            for b in table:
-                refs[b] += 1
-        for block in self.blocks:
-            if block.ref_count != refs[block.block_id]:
-                raise AssertionError(f"{what} {block.block_id}: ref_count {block.ref_count} "
-                                     f"but {refs[block.block_id]} table references")
-            in_free = block.block_id in self.free_queue
-            if in_free != (block.ref_count == 0):
-                raise AssertionError(f"{what} {block.block_id}: ref_count {block.ref_count}, "
-                                     f"in free queue: {in_free}")
-        for h, b in self.hash_to_block.items():
-            if self.blocks[b].block_hash != h:
-                raise AssertionError(f"hash index points at {what} {b} whose hash differs")
-        cached = sum(1 for b in self.free_queue if self.blocks[b].block_hash is not None)
-        if cached != self.num_cached_free:
-            raise AssertionError(f"num_cached_free {self.num_cached_free} != {cached}")
-        return refs
 
 
 def hash_block(parent_hash: Optional[int], token_ids: tuple[int, ...],

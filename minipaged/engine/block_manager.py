@@ -20,11 +20,10 @@ pass (`cache_full_blocks`), or the forward raised (`drop_uncomputed_blocks`).
 """
 from __future__ import annotations
 
-from typing import Callable, Hashable, Iterable, Optional
+from typing import Callable, Hashable, Optional
 
 from minipaged.engine.block_allocator import Block, BlockAllocator, hash_block
 from minipaged.engine.sequence import Sequence
-from minipaged.engine.trace import BlockUsage
 from minipaged.utils import cdiv
 
 
@@ -291,31 +290,3 @@ class BlockManager:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
-
-    def usage(self) -> BlockUsage:
-        """Exact counts from the tables: used / cached / free blocks, tokens and empty slots."""
-        bs = self.block_size
-        filled: dict[int, int] = {}  # physical block -> slots holding a token (max over sharers)
-        for seq_id, table in self.block_tables.items():
-            n = self.num_slots[seq_id]
-            for i, b in enumerate(table):
-                filled[b] = max(filled.get(b, 0), min(bs, max(n - i * bs, 0)))
-        a = self.allocator
-        num_used = a.num_blocks - a.num_free_blocks
-        return BlockUsage(
-            num_blocks=a.num_blocks, block_size=bs, num_used_blocks=num_used,
-            num_cached_blocks=a.num_cached_free,
-            num_free_blocks=a.num_free_blocks - a.num_cached_free,
-            num_tokens_stored=sum(filled.values()), num_slots_allocated=num_used * bs)
-
-    def check_invariants(self, live_seq_ids: Optional[Iterable[int]] = None) -> None:
-        """Raise if ref counts, the free queue or the hash index disagree with the tables.
-
-        Used by the property tests; cheap enough to call from a notebook after every step.
-        """
-        refs = self.allocator.check_invariants(self.block_tables.values(), "block")
-        if live_seq_ids is not None and set(live_seq_ids) != set(self.block_tables):
-            raise AssertionError("block tables exist for sequences that are not live")
-        if self.num_block_refs != sum(refs):
-            raise AssertionError(f"num_block_refs {self.num_block_refs} != {sum(refs)} "
-                                 "table entries")
