@@ -477,7 +477,7 @@ class SpecRollbackMachine(RuleBasedStateMachine):
         seq.num_computed_tokens += a  # accepted proposals
         for _ in range(a + 1):
             seq.append_token(data.draw(st.integers(0, 2)))
-        self.bm.free_trailing_blocks(seq)
+        self.bm.truncate(seq, seq.num_computed_tokens)
         self.bm.cache_full_blocks(seq)
         assert len(self.bm.block_tables[seq.seq_id]) == -(-seq.num_computed_tokens // self.bs)
 

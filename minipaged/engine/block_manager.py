@@ -251,10 +251,6 @@ class BlockManager:
         self.num_slots[seq.seq_id] = num_tokens
         del self._hashes[seq.seq_id][num_tokens // self.block_size:]
 
-    def free_trailing_blocks(self, seq: Sequence) -> None:
-        """`truncate` to the computed tokens (a rollback of rejected guesses, lesson 10)."""
-        self.truncate(seq, seq.num_computed_tokens)
-
     # --- sharing and release ----------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every block of `parent` (ref counts +1); writes will copy-on-write."""
