@@ -1,20 +1,17 @@
-"""`LLMEngine`: add requests, step, collect outputs. The loop every front end drives.
+"""`LLMEngine`: add requests, step, collect outputs; `LLM` (llm.py) and the server loop `step()`.
 
-One `step()` is the whole life cycle of lesson 03, in public phases (lesson 02b calls them one
-by one; the step loop of engine/step_loop.py calls them in order):
+One `step()` is the life cycle of lesson 03 in public phases, which lesson 02b calls one by one
+and the step loop (step_loop.py) in order:
 
     schedule()            which sequences run, how many tokens each, who is preempted
     execute_model(sched)  flatten, forward, last-token logits (worker/model_runner.py)
     update_computed()     the step's K/V are in the cache
-    sample_and_process()  one next token per sequence that reached its last token; append it,
-                          check stop conditions (output.py), free finished sequences' blocks
-    finish_step()         a StepRecord for the lessons' plots; the step's outputs
+    sample_and_process()  a token per sequence that reached its last token; append it, check
+                          stops (output.py), free finished sequences' blocks
+    finish_step()         the step's StepRecord (trace.py) and outputs
 
 A request is checked before it is queued (processor.py); one that raises while it is stepped
-fails alone (`fail_request`: finish_reason "error", its blocks freed; failures.py). Everything a
-later lesson adds is attached once, at build (engine/build.py), through a named seam that costs
-nothing while it is off: a step loop, request extensions (extensions.py), the scheduler's and
-block manager's policies, runner wrappers. `LLM` (llm.py) and the server loop `step()`.
+fails alone (failures.py). Later capabilities attach at build (build.py) through named seams.
 """
 from __future__ import annotations
 
@@ -32,7 +29,7 @@ from minipaged.engine.build import (build_engine_scheduler, build_extensions,
                                     build_runner, build_sampler, settle, step_loop_class)
 from minipaged.engine.output import OutputProcessor, RequestOutput, eos_token_ids
 from minipaged.engine.processor import RequestError
-from minipaged.engine.scheduler import Scheduler, SchedulerOutput
+from minipaged.engine.scheduler import SchedulerOutput
 from minipaged.engine.sequence import Sequence, SequenceStatus
 from minipaged.groups.group import SequenceGroup
 from minipaged.engine.step_loop import StepLoop
@@ -44,6 +41,7 @@ from minipaged.models.loader import load_tokenizer, resolve_model
 from minipaged.sampling import SamplerOutput, SamplingParams
 from minipaged.worker.cpu_threads import apply_cpu_threads
 
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.source = resolve_model(config.model)
@@ -54,10 +52,8 @@ class LLMEngine:
         self.dtype = parse_dtype(config.dtype)
         self.backend = get_attention_backend(config.attention_backend, config.device)
         torch.manual_seed(config.seed)
-        # The model, with the capabilities that change it (engine/build.py): 1/N of every layer
-        # with tensor parallelism (lesson 09), fp8 layers, adapter slots (lesson 11).
         self.requests: dict[str, Sequence] = {}  # unfinished requests: their first sequence
-        self.model, self.model_config, self.lora_manager = build_model(
+        self.model, self.model_config, self.lora_manager = build_model(  # (+ its transforms)
             config, self.source, self.dtype, self.device, self.backend, self.requests)
         self.kv_config = self.model.config  # the KV heads this process holds (1/N with TP)
         self.tokenizer = load_tokenizer(self.source, config.tokenizer)
@@ -102,15 +98,9 @@ class LLMEngine:
                     sampling_params: Optional[SamplingParams | BeamSearchParams] = None,
                     arrival_time: Optional[float] = None,
                     lora_request: Optional[LoRARequest] = None, priority: int = 0) -> Sequence:
-        """Queue a request. Raises `RequestError` (and queues nothing) if it can never be served.
-
-        `lora_request` runs it with that LoRA adapter (needs `enable_lora`; the adapter is read
-        and checked here unless the LoRA CPU cache or a device slot already holds it).
-        `priority` orders it under `scheduling_policy="priority"` (lower first; minipaged/priority/).
-
-        `BeamSearchParams` queue a beam search (what `LLM.beam_search` does); `SamplingParams`
-        with `n > 1` queue n samples of one prompt.
-        """
+        """Queue a request; raises `RequestError` (and queues nothing) if it can never be served.
+        `BeamSearchParams` queue a beam search, `lora_request` needs `enable_lora`, `priority`
+        orders it under `scheduling_policy="priority"` (lower first)."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         params = SamplingParams() if sampling_params is None else sampling_params
@@ -170,15 +160,14 @@ class LLMEngine:
         return self.step_loop.step()
 
     def schedule(self) -> SchedulerOutput:
-        """Phase 1, plan the step. Swapped blocks move when the runner executes it, before the
-        forward (swap/runner.py), or here for a step with no forward to run."""
+        """Phase 1, plan the step (scheduler.py), the extensions' hooks around it."""
         for hook in self.ext.before_plan:  # e.g. held requests whose wait is over join the queue
             hook(self)
         sched = self.scheduler.schedule()
         for hook in self.ext.after_plan:  # e.g. fail what cannot run after all
             hook(self, sched)
         if sched.is_empty and (sched.blocks_to_swap_out or sched.blocks_to_swap_in):
-            self.model_runner.swap(sched)  # (only swap preemption plans these: its runner)
+            self.model_runner.swap(sched)  # (swap/runner.py; else the forward moves them)
         return sched
 
     def execute_model(self, sched: SchedulerOutput, *args) -> torch.Tensor:
@@ -193,8 +182,6 @@ class LLMEngine:
 
     def with_failed(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """A step's outputs, after those of requests that failed before its forward."""
-        if not self._failed_outputs:
-            return outputs
         failed, self._failed_outputs = self._failed_outputs, []
         return failed + outputs
 
@@ -216,10 +203,8 @@ class LLMEngine:
         return self.with_failed(outputs)
 
     def update_computed(self, sched: SchedulerOutput) -> list[Sequence]:
-        """Phase 3: the forward has written the step's K/V: count them computed (the full
-        blocks they fill were published when the scheduler allocated their slots: now they are
-        computed; `cache_full_blocks` publishes those whose tokens were not known then);
-        returns the sequences that sample, in step order."""
+        """Phase 3: the forward has written the step's K/V: count them computed, publish the
+        full blocks not published at allocation; returns the sequences that sample, in order."""
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.cache_full_blocks(s.seq)
@@ -250,7 +235,7 @@ class LLMEngine:
     def process_tokens(self, sampling: list[Sequence], sampler_out: Optional[SamplerOutput],
                        outputs: list[RequestOutput], finished: list[str]) -> None:
         """Append each sampled token, check stops, finish; adds to `outputs` and `finished`.
-        A raise while one request is processed fails that request alone (`fail_request`)."""
+        A raise while one request is processed fails that request alone."""
         now = time.time()
         out = self.output_processor
         appended: list[Sequence] = []  # the sequences that got their token
