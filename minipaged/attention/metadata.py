@@ -77,10 +77,3 @@ class AttentionBackend:
         q: (num_tokens, num_heads, head_dim); returns (num_tokens, num_heads, head_dim)
         """
         raise NotImplementedError
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor,
-                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        """`store_kv`, then `attend`: one layer's attention in a single call (tests, lessons)."""
-        self.store_kv(k, v, k_cache, v_cache, metadata)
-        return self.attend(q, k_cache, v_cache, metadata, scale)
