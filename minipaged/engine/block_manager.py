@@ -1,22 +1,17 @@
 """Paged KV-cache bookkeeping: which physical block holds which tokens of which sequence.
 
-Lesson 02 walks through this file. Nothing here touches a tensor (the K/V live in kv_cache.py):
-like an operating system's page allocator, it only hands out block *ids*. `BlockAllocator`
-(block_allocator.py) owns the physical blocks; `BlockManager` owns one `block_table` per
-sequence (logical block i -> physical block id) and speaks the scheduler's language:
-`can_allocate / allocate / can_append / append_slots / fork / free`, and `truncate` to give back
-a table's tail. Copy-on-write: a sequence about to write into a block another one also
-references (after `fork`) gets a private copy first, and the caller is told what to copy.
+Lesson 02 walks through this file. Like an operating system's page allocator it only hands out
+block *ids* (the K/V live in kv_cache.py). `BlockAllocator` (block_allocator.py) owns the
+physical blocks; `BlockManager` owns one `block_table` per sequence (logical block i -> physical
+block id) and speaks the scheduler's language: `can_allocate / allocate / can_append /
+append_slots / fork / free`, and `truncate`. Copy-on-write: a sequence about to write into a
+block another one references gets a private copy first, and the caller is told what to copy.
 
-A block's hash is `hash((parent_block_hash, token_ids_of_this_block, extra_key))`, so equal
-hashes mean equal *prefixes*; token ids are compared on every hit to rule out collisions.
-`extra_key(seq)` (vLLM's extra keys: an adapter's id, lesson 11) is chosen at build.
-
-A full block is published (vLLM V1's rule) when its slots are handed out (`cache_blocks`), before
-the forward writes them, so n requests of one prompt arriving together prefill it once (each
-layer stores the step's K/V before any attention reads them). Only known tokens are hashed. A
-block leaves the prefix cache again if its step never runs: its sequence preempted in the same
-pass (`cache_full_blocks`), or the forward raised (`drop_uncomputed_blocks`).
+A block's hash covers its whole prefix (`hash_block`, with `extra_key(seq)` chosen at build). A
+full block is published when its slots are handed out (`cache_blocks`, vLLM V1's rule), before
+the forward writes them, so requests of one prompt arriving together prefill it once (each layer
+stores the step's K/V before any attention reads them). It leaves the prefix cache again if its
+step never runs (`cache_full_blocks`, `drop_uncomputed_blocks`).
 """
 from __future__ import annotations
 
@@ -45,11 +40,9 @@ class BlockManager:
         self._uncomputed_of: dict[int, list[int]] = {}
         # Sequences admitted with a hit on such a block: seq_id -> (seq, first such index).
         self._uncomputed_hits: dict[int, tuple[Sequence, int]] = {}
-        # Prefix-cache statistics (lesson 02, issue on sharing): prompt tokens asked / served.
-        self.prefix_queries = 0
-        self.prefix_hits = 0
-        # Entries in all block tables; minus the blocks in use, it is what sharing saves (lesson 06).
-        self.num_block_refs = 0
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache ...
+        self.prefix_hits = 0  # ... and found there
+        self.num_block_refs = 0  # entries in all block tables (accounting: block_usage.py)
 
     # --- sizes ------------------------------------------------------------------------------
     @property
@@ -62,12 +55,6 @@ class BlockManager:
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
-
-    @property
-    def num_blocks_saved_by_sharing(self) -> int:
-        """Block-table entries that point at a block another table also uses: the blocks the
-        same sequences would take without sharing (fork, prefix hits), minus what they take."""
-        return self.num_block_refs - (self.num_blocks - self.num_free_blocks)
 
     def hash_key(self, seq: Sequence) -> Hashable:
         """What `seq`'s block hashes mix in besides its tokens (`extra_key`; None: nothing)."""

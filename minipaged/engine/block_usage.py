@@ -2,7 +2,8 @@
 
 `block_usage(bm)` counts the cache exactly from the block tables: blocks used, cached and free,
 the tokens they store and the empty slots at the tails (`BlockUsage`, what lesson 01 plots; the
-engine records one per step with `record_block_tables`). `check_invariants(bm)` raises if ref
+engine records one per step with `record_block_tables`); `blocks_saved_by_sharing(bm)` what
+forks and prefix hits save (lesson 06, in every StepRecord). `check_invariants(bm)` raises if ref
 counts, the free queue or the prefix-cache index disagree with the tables: the property tests
 call it after every operation, a lesson after every step. Neither is part of the algorithm.
 """
@@ -54,6 +55,13 @@ def block_usage(bm: BlockManager) -> BlockUsage:
         num_cached_blocks=a.num_cached_free,
         num_free_blocks=a.num_free_blocks - a.num_cached_free,
         num_tokens_stored=sum(filled.values()), num_slots_allocated=num_used * bs)
+
+
+def blocks_saved_by_sharing(bm: BlockManager) -> int:
+    """Block-table entries that point at a block another table also uses: the blocks the
+    same sequences would take without sharing (fork, prefix hits), minus what they take
+    (lesson 06)."""
+    return bm.num_block_refs - (bm.num_blocks - bm.num_free_blocks)
 
 
 def check_invariants(bm: BlockManager, live_seq_ids: Optional[Iterable[int]] = None) -> None:

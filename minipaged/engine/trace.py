@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
-from minipaged.engine.block_usage import BlockUsage, block_usage
+from minipaged.engine.block_usage import BlockUsage, block_usage, blocks_saved_by_sharing
 
 
 # Reading a trace back (request timelines, tokens in the cache at step t) is the lessons' work:
@@ -129,7 +129,7 @@ def step_record(engine, sched, finished: list[str], times: StepTimes,
         num_blocks_used=bm.num_blocks - bm.num_free_blocks,
         num_blocks_free=bm.num_free_blocks - cached, num_blocks_cached=cached,
         num_batched_tokens=sched.num_batched_tokens,
-        num_blocks_saved_by_sharing=bm.num_blocks_saved_by_sharing,
+        num_blocks_saved_by_sharing=blocks_saved_by_sharing(bm),
         num_cow_copies=len(sched.blocks_to_copy),
         num_prefix_query_tokens=num_prefix_query_tokens,
         num_prefix_hit_tokens=num_prefix_hit_tokens, wait_time=times.wait_time)
