@@ -51,9 +51,8 @@ class AttentionBackend:
     """Interface every backend implements (see `minipaged.attention`).
 
     Per step `prepare(metadata)` once (work shared by all layers); per layer `store_kv` (the
-    step's new K/V into their slots) then `attend` (the queries over the cache, which now holds
-    this step's keys too). The model calls `attend` after its `QKVRopeStore` layer has stored
-    K/V, through `store_kv` or, fused, in its own kernel (models/fused_layers.py).
+    step's new K/V into their slots; the model's `QKVRopeStore` calls it, or fuses it) then
+    `attend` (the queries over the cache, which now holds this step's keys too).
     """
 
     name = "base"

@@ -1,12 +1,10 @@
-"""The physical layer of the paged KV cache (lesson 02): blocks, their free queue, and the
-prefix-cache index.
+"""The physical layer of the paged KV cache (lesson 02).
 
 `BlockAllocator` owns `num_blocks` physical blocks: a free queue, a reference count per block,
 and the prefix-cache index (block hash -> block). A block whose ref count drops to 0 goes to the
 *back* of the free queue but keeps its hash, so a later request with the same prefix can take it
 back ("cached"); new allocations pop from the *front*, evicting the least recently freed block
-first. `BlockManager` (block_manager.py) builds the per-sequence block tables on top of it (a
-second allocator can own another pool of blocks, such as a CPU pool (lesson 06).
+first. `BlockManager` (block_manager.py) builds the per-sequence block tables on top of it.
 """
 from __future__ import annotations
 

@@ -63,11 +63,8 @@ class BlockManager:
     # --- admission --------------------------------------------------------------------------
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[Block], int]:
         """Longest cached prefix of `seq` in whole blocks: (blocks, number of tokens they hold).
-
-        At least one token is always left to compute, because the engine needs the logits of
-        the last token to sample the next one (vLLM does the same). Nothing for a sequence that
-        computes every token (`skip_reading_prefix_cache`: prompt logprobs need them all).
-        """
+        At least one token is left to compute: its logits sample the next (vLLM does the same).
+        Nothing for a sequence that computes every token (`skip_reading_prefix_cache`)."""
         if not self.enable_prefix_caching or seq.skip_reading_prefix_cache:
             return [], 0
         bs = self.block_size
@@ -208,10 +205,9 @@ class BlockManager:
             del hashes[seq.num_computed_tokens // self.block_size:]
 
     def drop_uncomputed_blocks(self) -> None:
-        """Called as a scheduling pass starts: blocks still published ahead of their K/V belong
-        to a step that never ran (its forward raised). They leave the prefix cache, and a
-        sequence admitted with a hit on one goes back to the blocks before it (its table is cut
-        there; the scheduler gives it the rest as prefill)."""
+        """As a scheduling pass starts: blocks still published ahead of their K/V belong to a
+        step whose forward raised. They leave the prefix cache; a sequence admitted with a hit
+        on one is truncated before it (the scheduler gives it the rest as prefill)."""
         hits, self._uncomputed_hits = self._uncomputed_hits, {}
         if not self._uncomputed:
             return  # (the common case: the last step ran)
@@ -224,10 +220,9 @@ class BlockManager:
         self._uncomputed_of.clear()
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
-        """Keep only the blocks that hold the first `num_tokens` tokens, which are now all that is
-        computed of `seq`; the tail goes to the back of the free queue. For a step that ran only
-        in part: guessed tokens the model rejected (lesson 10), a hit on a block whose forward
-        raised (`drop_uncomputed_blocks`)."""
+        """Keep only the blocks of the first `num_tokens` tokens, now all that is computed of
+        `seq`; the tail goes to the back of the free queue. For a step that ran only in part
+        (rejected guesses, lesson 10; `drop_uncomputed_blocks`)."""
         table = self.block_tables[seq.seq_id]
         keep = self.num_blocks_for(num_tokens)
         while len(table) > keep:
@@ -251,10 +246,8 @@ class BlockManager:
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, seq: Sequence) -> None:
-        """Drop the sequence's references; tail blocks first, so they are evicted first.
-
-        Full blocks not yet published go to the prefix cache first: a step loop that reads
-        tokens a step late knows a sequence's last computed token only as it finishes it."""
+        """Drop the sequence's references, tail blocks first (evicted first). Full blocks not yet
+        published go to the prefix cache first (a step loop may read the last token late)."""
         table = self.block_tables.get(seq.seq_id)
         if table is None:
             return  # (freed already)

@@ -60,9 +60,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 config.max_model_len, config.block_size)
-
-        # The KV cache: as many blocks as the memory knobs allow (worker/kv_cache.py).
-        self.kv_cache, self.kv_dtype, self.block_bytes = build_kv_cache(
+        self.kv_cache, self.kv_dtype, self.block_bytes = build_kv_cache(  # all the blocks memory allows
             config, self.model, self.backend, self.kv_config, self.dtype, self.device)
         self.num_blocks = self.kv_cache.shape[2]  # (layers, 2, num_blocks, block_size, ...)
         self.block_manager, self.cpu_cache = build_kv_block_manager(  # (+ swap's CPU pool)
@@ -72,7 +70,7 @@ class LLMEngine:
         self.model_runner = build_runner(config, self.model, self.kv_cache, self.backend,
                                          self.lora_manager, self.cpu_cache)
         self.sampler = build_sampler(config, self.eos_token_ids)  # (CUDA: sampling kernels)
-        self.groups: dict[str, SequenceGroup] = {}  # ... those with n > 1 or a beam search
+        self.groups: dict[str, SequenceGroup] = {}  # requests of n > 1 or beams (groups/)
         self.ext, structured = build_extensions(self)  # request extensions (extensions.py)
         self.structured_output, self.grammar_compiles = structured.manager, structured.compiles
         # One StepRecord per step; a bounded deque where the config caps it (a server).
@@ -148,8 +146,7 @@ class LLMEngine:
         return self.step_loop.has_unfinished_requests()
 
     def has_unfinished_sequences(self) -> bool:
-        """Sequences the scheduler holds, or requests an extension holds (a step loop adds
-        what it keeps in flight)."""
+        """Sequences the scheduler or an extension holds (a step loop adds its own in flight)."""
         return self.scheduler.has_unfinished() or any(held() for held in self.ext.num_held)
 
     def get_num_unfinished_requests(self) -> int:
@@ -273,8 +270,7 @@ class LLMEngine:
 
     def record_step(self, sched: SchedulerOutput, finished: list[str], t0: float,
                     wait_time: float = 0.0) -> None:
-        """Append this step's StepRecord to the trace (engine/trace.py builds it); `wait_time`:
-        the step's wait for the GPU's tokens."""
+        """Append this step's StepRecord (trace.py); `wait_time`: its wait for the GPU's tokens."""
         bm = self.block_manager
         finished, self._failed_ids = self._failed_ids + finished, []
         queries, hits = self._prefix_stats
