@@ -1,5 +1,5 @@
 """Tests for `minipaged/engine/block_manager.py`: property tests over random operation sequences, then
-unit tests for the prefix cache, LRU eviction and the accounting (`block_usage`, engine/block_usage.py).
+unit tests for the prefix cache, LRU eviction and the accounting (`block_usage`).
 
 The state machine drives `BlockManager` the way the scheduler and engine do (admit with
 `get_computed_blocks + can_allocate + allocate`, grow with `can_append + append_slots`, then the

@@ -60,7 +60,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 config.max_model_len, config.block_size)
-        self.kv_cache, self.kv_dtype, self.block_bytes = build_kv_cache(  # all the blocks memory allows
+        self.kv_cache, self.kv_dtype, self.block_bytes = build_kv_cache(  # as many blocks as fit
             config, self.model, self.backend, self.kv_config, self.dtype, self.device)
         self.num_blocks = self.kv_cache.shape[2]  # (layers, 2, num_blocks, block_size, ...)
         self.block_manager, self.cpu_cache = build_kv_block_manager(  # (+ swap's CPU pool)

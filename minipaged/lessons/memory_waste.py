@@ -14,7 +14,8 @@ layer):
   - ``oracle`` exactly the true length (Orca (Oracle): an allocator that knows the future);
 * ``paged``  minipaged's *real* `Scheduler` and `BlockManager` (not a formula): the trace is fed
   to them and `block_usage` (engine/block_usage.py) is read after every step, exactly where
-  `LLMEngine` records its `StepRecord.usage`. Only the model forward is skipped, because memory does not depend on it.
+  `LLMEngine` records its `StepRecord.usage`. Only the model forward is skipped, because memory
+  does not depend on it.
 
 A request with a prompt of p tokens that generates o tokens writes ``p + o - 1`` K/V entries over
 its life (the last sampled token is returned, never fed back); that is its *true length* here.
