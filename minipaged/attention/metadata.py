@@ -17,9 +17,8 @@ from typing import Any, Optional
 import torch
 
 
-# Block-table rows are padded to a multiple of this many entries: the row stride is a kernel
-# argument, and Triton compiles a new kernel variant when an int argument's divisibility by 16
-# changes (model_runner.py pads each step's table, cuda_graphs.py its static buffer).
+# GPU block-table rows are padded to a multiple of this (gpu_model_runner.py, cuda_graphs.py):
+# the row stride is a kernel argument, and Triton compiles a variant per divisibility by 16.
 BLOCK_TABLE_WIDTH_MULTIPLE = 16
 
 

@@ -225,10 +225,7 @@ class Scheduler:
         """Mark finished and give its blocks back (called by the engine)."""
         if seq.status is SequenceStatus.RUNNING:
             self.leave_running(seq)
-        else:
-            try:
-                self.waiting.remove(seq)
-            except ValueError:
-                pass
+        elif seq in self.waiting:  # (a request held outside the queue is not)
+            self.waiting.remove(seq)
         seq.status = status
         self.block_manager.free(seq)
