@@ -18,6 +18,13 @@ IGNORE_INTERPRETER_WARNINGS = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 
+def store_and_attend(backend, q, k, v, k_cache, v_cache, metadata, scale: float) -> torch.Tensor:
+    """One layer's attention through `backend`: the step's K/V stored (`store_kv`), then the
+    queries attended over the cache (`attend`), as `LlamaAttention` calls them."""
+    backend.store_kv(k, v, k_cache, v_cache, metadata)
+    return backend.attend(q, k_cache, v_cache, metadata, scale)
+
+
 def triton_device() -> str:
     """Where a Triton test module runs its kernels: "cuda" on a GPU, else "cpu" under the
     interpreter. Call it at module level, before importing any kernel: it skips the whole module

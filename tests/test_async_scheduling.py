@@ -13,6 +13,7 @@ import shutil
 import pytest
 
 from minipaged import LLM, SamplingParams
+from minipaged.engine.block_usage import check_invariants
 from minipaged.models.loader import resolve_model
 
 
@@ -22,7 +23,7 @@ def _run(async_scheduling, prompts, params, **kw):
     outs = llm.generate(prompts, params, use_tqdm=False)
     eng = llm.engine
     assert not eng.has_unfinished_requests()
-    eng.block_manager.check_invariants([])  # every block back, ref counts exact
+    check_invariants(eng.block_manager, [])  # every block back, ref counts exact
     assert eng.block_manager.num_free_blocks == eng.num_blocks
     return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
              o.outputs[0].stop_reason) for o in outs], eng

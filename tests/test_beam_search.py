@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from minipaged import LLM, BeamSearchParams, RequestError
+from minipaged.engine.block_usage import check_invariants
 from minipaged.models.loader import resolve_model
 
 PERIOD = 426
@@ -76,7 +77,7 @@ def test_token_exact_with_hf(llm, hf_model, early_stopping):
     assert stops > 0, "no hypothesis ended in EOS: the test would not test the finishing rules"
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
-    bm.check_invariants([])
+    check_invariants(bm, [])
 
 
 @pytest.mark.parametrize("early_stopping", [True, False])
@@ -122,7 +123,7 @@ def test_beams_fork_free_and_copy_on_write_every_step():
     shared_steps = copies = 0
     while eng.has_unfinished_requests():
         eng.step()
-        bm.check_invariants([s.seq_id for s in eng.scheduler.running])
+        check_invariants(bm, [s.seq_id for s in eng.scheduler.running])
         group = eng.groups.get("b")
         if group is None:
             break
@@ -149,7 +150,7 @@ def test_abort_beam_search_frees_blocks():
     eng.abort_request("b")
     assert not eng.has_unfinished_requests() and eng.scheduler.num_reserved_seats == 0
     assert eng.block_manager.num_free_blocks == 128
-    eng.block_manager.check_invariants([])
+    check_invariants(eng.block_manager, [])
 
 
 def test_beam_search_params_and_errors():

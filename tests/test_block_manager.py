@@ -1,5 +1,5 @@
 """Tests for `minipaged/engine/block_manager.py`: property tests over random operation sequences, then
-unit tests for the prefix cache, LRU eviction and the `usage()` accounting.
+unit tests for the prefix cache, LRU eviction and the accounting (`block_usage`).
 
 The state machine drives `BlockManager` the way the scheduler and engine do (admit with
 `get_computed_blocks + can_allocate + allocate`, grow with `can_append + append_slots`, then the
@@ -24,6 +24,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 import minipaged.engine.block_manager as bm_module
 from minipaged.engine.block_manager import BlockManager
+from minipaged.engine.block_usage import block_usage, check_invariants
 from minipaged.sampling import SamplingParams
 from minipaged.engine.sequence import Sequence
 
@@ -331,7 +332,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if self.bm is None:
             return
         bm = self.bm
-        bm.check_invariants(self.seqs.keys())
+        check_invariants(bm, self.seqs.keys())
         refs = self._refs()
         for block in bm.allocator.blocks:
             assert block.ref_count == refs.get(block.block_id, 0), f"block {block.block_id} ref count"
@@ -352,8 +353,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
             owners = [o for o in origins if o in ("fresh", "cow")]
             assert len(owners) <= 1, f"block {b} handed out to {len(owners)} tables"
             assert bm.allocator.blocks[b].ref_count == len(origins)
-        # usage(): every used block counted once, its filled slots the max over its holders.
-        u = bm.usage()
+        # block_usage: every used block counted once, its filled slots the max over its holders.
+        u = block_usage(bm)
         filled: dict[int, int] = {}
         for seq_id, seq in self.seqs.items():
             for i, b in enumerate(bm.block_tables[seq_id]):
@@ -377,10 +378,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         for seq in list(self.seqs.values()):
             self.bm.free(seq)
-        self.bm.check_invariants([])
+        check_invariants(self.bm, [])
         assert self.bm.num_free_blocks == self.bm.num_blocks
         assert all(b.ref_count == 0 for b in self.bm.allocator.blocks)
-        u = self.bm.usage()
+        u = block_usage(self.bm)
         assert (u.num_used_blocks, u.num_tokens_stored, u.num_slots_allocated) == (0, 0, 0)
 
 
@@ -431,7 +432,7 @@ def test_prefix_hit_returns_the_cached_blocks_and_token_count():
     d = make_seq([0, 2, 3, 4, 5, 6, 7, 8, 9])
     assert bm.get_computed_blocks(d) == ([], 0)
     assert bm.prefix_queries == 10 + 11 and bm.prefix_hits == 8
-    bm.check_invariants([a.seq_id, b.seq_id])
+    check_invariants(bm, [a.seq_id, b.seq_id])
 
 
 @pytest.mark.parametrize("extra, expected_blocks", [(0, 1), (1, 2), (3, 2)])
@@ -459,7 +460,7 @@ def test_freed_blocks_stay_cached_and_are_reused():
     full = bm.get_block_table(a)[:2]
     bm.free(a)
     assert bm.num_free_blocks == 4
-    u = bm.usage()
+    u = block_usage(bm)
     assert (u.num_cached_blocks, u.num_free_blocks, u.num_used_blocks) == (2, 2, 0)
     b = make_seq(list(range(8)) + [99, 98, 97, 96, 95, 94])  # 14 tokens = 4 blocks, 2 cached
     hits, num_cached = bm.get_computed_blocks(b)
@@ -470,8 +471,8 @@ def test_freed_blocks_stay_cached_and_are_reused():
     run(bm, b)
     assert bm.get_block_table(b)[:2] == full and bm.num_free_blocks == 0
     assert bm.allocator.num_evictions == 0
-    assert bm.usage().num_cached_blocks == 0
-    bm.check_invariants([b.seq_id])
+    assert block_usage(bm).num_cached_blocks == 0
+    check_invariants(bm, [b.seq_id])
 
 
 def test_hash_collision_is_a_miss(monkeypatch):
@@ -489,7 +490,7 @@ def test_hash_collision_is_a_miss(monkeypatch):
     c = make_seq([1, 2, 3, 4, 0, 0])
     hits, num_cached = bm.get_computed_blocks(c)
     assert [h.block_id for h in hits] == bm.get_block_table(a)[:1] and num_cached == 4
-    bm.check_invariants([a.seq_id, b.seq_id])
+    check_invariants(bm, [a.seq_id, b.seq_id])
 
 
 def test_hash_collision_across_lora_adapters_is_a_miss(monkeypatch):
@@ -576,7 +577,7 @@ def test_fork_shares_blocks_and_copy_on_write_splits_the_partial_block():
     parent.append_token(60)
     assert bm.append_slots(parent, 1) == []
     assert bm.get_block_table(parent) == tp
-    bm.check_invariants([parent.seq_id, child.seq_id])
+    check_invariants(bm, [parent.seq_id, child.seq_id])
     bm.free(parent)
     bm.free(child)
     assert bm.num_free_blocks == 8
@@ -597,25 +598,25 @@ def test_usage_numbers():
     bm = BlockManager(num_blocks=10, block_size=4)
     a = make_seq(range(6))
     run(bm, a)
-    u = bm.usage()
+    u = block_usage(bm)
     assert (u.num_used_blocks, u.num_tokens_stored, u.num_slots_allocated) == (2, 6, 8)
     assert u.internal_fragmentation == 2 and u.token_state_share == pytest.approx(0.75)
     assert (u.num_cached_blocks, u.num_free_blocks) == (0, 8)  # a's hashed block is in use, not cached
     b = make_seq(range(6), "b")
     bm.fork(a, b)
-    u = bm.usage()
+    u = block_usage(bm)
     assert (u.num_used_blocks, u.num_tokens_stored, u.internal_fragmentation) == (2, 6, 2)
     b.append_token(7)
     bm.append_slots(b, 1)
     b.num_computed_tokens += 1
-    u = bm.usage()  # a: [0-3] shared, [4 5 _ _]; b: its copy [4 5 7 _]
+    u = block_usage(bm)  # a: [0-3] shared, [4 5 _ _]; b: its copy [4 5 7 _]
     assert (u.num_used_blocks, u.num_tokens_stored, u.num_slots_allocated) == (3, 4 + 2 + 3, 12)
     assert u.internal_fragmentation == 3 and u.token_state_share == pytest.approx(9 / 12)
     bm.free(a)
-    u = bm.usage()  # a's partial block goes free (no hash); the shared full block stays with b
+    u = block_usage(bm)  # a's partial block goes free (no hash); the shared full block stays with b
     assert (u.num_used_blocks, u.num_tokens_stored, u.num_cached_blocks) == (2, 7, 0)
     bm.free(b)
-    u = bm.usage()
+    u = block_usage(bm)
     assert (u.num_used_blocks, u.num_tokens_stored, u.num_cached_blocks, u.num_free_blocks) == (0, 0, 1, 9)
     assert u.token_state_share == 1.0
 

@@ -22,7 +22,7 @@ from minipaged.attention.torch_ref import paged_attention_reference
 from minipaged.models.config import ModelConfig
 from minipaged.models.loader import resolve_model
 from minipaged.utils import cdiv
-from tests.helpers import STORIES_EXPECTED
+from tests.helpers import STORIES_EXPECTED, store_and_attend
 
 BLOCK = 8
 
@@ -90,7 +90,7 @@ def test_decode_step_equals_reference(monkeypatch, heads, budget):
     backend.prepare(md)
     assert isinstance(md.plan, DecodePlan)
     for layer in range(2):  # the plan, chunks and buffers are shared by the layers of a step
-        out = backend.forward(q, k, v, k_cache, v_cache, md, 1 / math.sqrt(heads[2]))
+        out = store_and_attend(backend, q, k, v, k_cache, v_cache, md, 1 / math.sqrt(heads[2]))
         ref = paged_attention_reference(q, k_cache, v_cache, md, 1 / math.sqrt(heads[2]))
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-5)
     chunks = md.plan.chunks
@@ -108,7 +108,7 @@ def test_decode_step_in_other_dtypes(monkeypatch, dtype, cache_dtype, tol):
     q, k, v, k_cache, v_cache, md = make_step(DECODES, 8, 4, 8, dtype, cache_dtype)
     backend = CPUBackend()
     backend.prepare(md)
-    out = backend.forward(q, k, v, k_cache, v_cache, md, 0.35)
+    out = store_and_attend(backend, q, k, v, k_cache, v_cache, md, 0.35)
     ref = paged_attention_reference(q, k_cache, v_cache, md, 0.35)
     assert out.dtype == dtype and len(md.plan.chunks) > 1
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
@@ -125,7 +125,7 @@ def test_other_steps_take_batched_sdpa(seqs, pad):
     backend = CPUBackend()
     backend.prepare(md)
     assert isinstance(md.plan, BatchedPlan)
-    out = backend.forward(q, k, v, k_cache, v_cache, md, 0.35)
+    out = store_and_attend(backend, q, k, v, k_cache, v_cache, md, 0.35)
     n = sum(q_len for q_len, _ in seqs)
     ref = paged_attention_reference(q[:n], k_cache, v_cache, md, 0.35)
     torch.testing.assert_close(out[:n], ref, rtol=1e-5, atol=2e-5)

@@ -19,6 +19,7 @@ from minipaged.attention.torch_ref import paged_attention_reference
 from minipaged.worker.cpu_model_runner import CPUModelRunner
 from minipaged.worker.model_runner import ModelRunner
 from minipaged.worker.wrapper import innermost
+from tests.helpers import store_and_attend
 from tests.test_cpu_backend import make_step
 
 # prompt lengths chosen so that the scheduler's order is not the context-length order
@@ -95,7 +96,7 @@ def test_backend_reorders_only_unsorted_steps(monkeypatch):
         q, k, v, k_cache, v_cache, md = make_step([(1, c) for c in lens], 8, 4, 8)
         backend = CPUBackend()
         backend.prepare(md)
-        out = backend.forward(q, k, v, k_cache, v_cache, md, 1 / math.sqrt(8))
+        out = store_and_attend(backend, q, k, v, k_cache, v_cache, md, 1 / math.sqrt(8))
         ref = paged_attention_reference(q, k_cache, v_cache, md, 1 / math.sqrt(8))
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-5)
         assert len(md.plan.chunks) > 1

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from minipaged import LLM, BeamSearchParams, RequestError, SamplingParams
+from minipaged.engine.block_usage import check_invariants
 from minipaged.engine.sequence import SequenceStatus
 
 CULPRIT = [1, 319, 280, 261, 450, 400]  # the faults below fire only for this prompt
@@ -100,7 +101,7 @@ def assert_holds_nothing(eng):
     assert not eng.has_unfinished_requests() and eng.get_num_unfinished_requests() == 0
     assert not eng.groups
     assert eng.block_manager.num_free_blocks == eng.num_blocks
-    eng.block_manager.check_invariants([])
+    check_invariants(eng.block_manager, [])
 
 
 def tokens(outs: dict) -> dict:

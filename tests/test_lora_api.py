@@ -14,6 +14,7 @@ import shutil
 import pytest
 
 from minipaged import LLM, BeamSearchParams, EngineConfig, LoRARequest, SamplingParams
+from minipaged.engine.block_usage import check_invariants
 from minipaged.lora.manager import cpu_victim
 from tests.test_beam_search import hf_beam_search
 from tests.test_lora import (N_NEW, PROMPTS, adapters, base_tokens, greedy,  # noqa: F401
@@ -161,7 +162,7 @@ def test_dropped_adapter_whose_folder_is_gone_fails_alone(adapters, base_tokens,
     assert any("a" in r.finished for r in llm.trace)
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
-    bm.check_invariants([])
+    check_invariants(bm, [])
 
 
 def test_a_step_whose_only_requests_fail_is_progress(adapters, tmp_path):

@@ -15,6 +15,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from minipaged import LLM, BeamSearchParams, EngineConfig, SamplingParams
+from minipaged.engine.block_usage import check_invariants
 from minipaged.swap.block_manager import SwapBlockManager
 from minipaged.worker.kv_cache import copy_blocks
 from minipaged.worker.swap import allocate_cpu_cache, swap_in_blocks, swap_out_blocks
@@ -58,7 +59,7 @@ def test_swap_round_trip_is_bit_exact_and_keeps_sharing(head_major):
     cpu_tables = [bm.cpu_block_tables[s.seq_id] for s in (parent, child)]
     assert cpu_tables[0][:2] == cpu_tables[1][:2]
     assert bm.cpu_allocator.blocks[cpu_tables[0][0]].ref_count == 2
-    bm.check_invariants([other.seq_id])
+    check_invariants(bm, [other.seq_id])
     kv[:, :, 2:] = float("nan")  # the freed GPU blocks get overwritten
     assert bm.num_swap_in_blocks([parent, child]) == 4
     back = bm.swap_in([parent, child])
@@ -67,7 +68,7 @@ def test_swap_round_trip_is_bit_exact_and_keeps_sharing(head_major):
         assert torch.equal(gather(s), before[s.seq_id])
     assert bm.block_tables[parent.seq_id][:2] == bm.block_tables[child.seq_id][:2]
     assert bm.allocator.blocks[bm.block_tables[parent.seq_id][0]].ref_count == 2
-    bm.check_invariants([other.seq_id, parent.seq_id, child.seq_id])
+    check_invariants(bm, [other.seq_id, parent.seq_id, child.seq_id])
     assert bm.cpu_allocator.num_free_blocks == 12
     for s in (parent, child, other):
         bm.free(s)
@@ -104,7 +105,7 @@ def run_modes(prompts, params, **kw):
         results[name] = ([[c.token_ids for c in o.outputs] for o in outs], llm.trace)
         bm = llm.engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks and not getattr(bm, "cpu_block_tables", {})
-        bm.check_invariants([])
+        check_invariants(bm, [])
     return results
 
 
@@ -195,7 +196,7 @@ def test_random_workloads_keep_the_books(w):
             done[out.request_id] = out
         step += 1
         assert step < 2000, "no progress"
-        bm.check_invariants([s.seq_id for s in eng.scheduler.running])
+        check_invariants(bm, [s.seq_id for s in eng.scheduler.running])
         assert len(eng.scheduler.running) + eng.scheduler.num_reserved_seats <= 8
     trace = llm.trace
     event(f"{w['mode']}: " + ("swapped" if any(r.swapped_out for r in trace) else "no swap"))

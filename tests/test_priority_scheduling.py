@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from minipaged import LLM, SamplingParams
 from minipaged.config import EngineConfig
 from minipaged.engine.block_manager import BlockManager
+from minipaged.engine.block_usage import check_invariants
 from minipaged.engine.build import build_scheduler
 from minipaged.engine.processor import RequestError
 from minipaged.engine.scheduler import Scheduler, SchedulerOutput
@@ -56,7 +57,7 @@ def step(sched: Scheduler) -> tuple[SchedulerOutput, list[str]]:
     for victim in out.preempted:
         assert victim.status is SequenceStatus.WAITING and victim.num_computed_tokens == 0
         assert victim.seq_id not in sched.block_manager.block_tables
-    sched.block_manager.check_invariants([s.seq_id for s in sched.running])
+    check_invariants(sched.block_manager, [s.seq_id for s in sched.running])
     return out, finished
 
 

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from minipaged.engine.block_manager import BlockManager
+from minipaged.engine.block_usage import check_invariants
 from minipaged.engine.build import build_block_manager, build_scheduler
 from minipaged.sampling import SamplingParams
 from minipaged.engine.scheduler import Scheduler, SchedulerOutput
@@ -66,7 +67,7 @@ def check_step(sched: Scheduler, out: SchedulerOutput, waiting_before: list[Sequ
     if out.preempted:
         admitted = [s for s in seqs if s in waiting_before]
         assert not admitted, "a sequence was admitted in a step that had to preempt"
-    bm.check_invariants([s.seq_id for s in sched.running])
+    check_invariants(bm, [s.seq_id for s in sched.running])
     for seq in sched.waiting:
         assert seq.status is SequenceStatus.WAITING and seq.seq_id not in bm.block_tables
 
@@ -312,7 +313,7 @@ def test_finish_frees_blocks():
     assert not sched.waiting
     sched.finish(b, SequenceStatus.FINISHED_ABORTED)
     assert not sched.has_unfinished() and bm.num_free_blocks == bm.num_blocks
-    bm.check_invariants([])
+    check_invariants(bm, [])
 
 
 # --- random workloads -----------------------------------------------------------------------
@@ -360,4 +361,4 @@ def test_random_workloads_run_to_completion(w):
         assert s.token_ids == s.prompt_token_ids + s.output_token_ids
     bm = sched.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not bm.block_tables
-    bm.check_invariants([])
+    check_invariants(bm, [])

@@ -12,6 +12,7 @@ the blocks it covers, and a forward that raises leaves no block published.
 import pytest
 
 from minipaged import LLM, RequestError, SamplingParams
+from minipaged.engine.block_usage import check_invariants
 from minipaged.engine.sequence import SequenceStatus
 from minipaged.lessons.timeline import tokens_in_cache
 
@@ -41,7 +42,7 @@ def test_prompt_prefilled_once_then_forked_with_copy_on_write(llm):
     assert tables[0] == tables[1] == tables[2] and len(tables[0]) == 3
     assert all(refs(bm, b) == n for b in tables[0])
     assert rec.num_blocks_saved_by_sharing == (n - 1) * 3
-    bm.check_invariants([s.seq_id for s in eng.scheduler.running])
+    check_invariants(bm, [s.seq_id for s in eng.scheduler.running])
 
     eng.step()  # each sample writes its first token into the shared last block
     rec = eng.trace[-1]
@@ -51,11 +52,11 @@ def test_prompt_prefilled_once_then_forked_with_copy_on_write(llm):
     assert len({t[2] for t in tables}) == n  # the partial block is now private to each
     assert all(refs(bm, b) == n for b in tables[0][:2])
     assert rec.num_blocks_saved_by_sharing == (n - 1) * 2
-    bm.check_invariants([s.seq_id for s in eng.scheduler.running])
+    check_invariants(bm, [s.seq_id for s in eng.scheduler.running])
     while eng.has_unfinished_requests():
         eng.step()
     assert bm.num_free_blocks == bm.num_blocks and not eng.groups
-    bm.check_invariants([])
+    check_invariants(bm, [])
 
 
 def test_each_sample_is_the_request_it_would_be_alone(llm):
@@ -129,7 +130,7 @@ def test_abort_frees_every_sample():
     while eng.has_unfinished_requests():
         eng.step()
     assert eng.block_manager.num_free_blocks == 64 and not eng.groups
-    eng.block_manager.check_invariants([])
+    check_invariants(eng.block_manager, [])
     # aborted before its prompt was even scheduled: the reserved seats go back too
     eng.add_request("c", PROMPT, SamplingParams(n=4, max_tokens=4))
     eng.abort_request("c")
@@ -322,4 +323,4 @@ def test_the_step_after_a_raising_forward_recomputes_the_hits(monkeypatch):
     assert [(e.request_id, e.num_prefill_tokens, e.num_computed_before)
             for e in retry.scheduled] == [("a", 64, 0), ("b", 64, 0)]
     assert done == {"a": ref, "b": ref}
-    eng.block_manager.check_invariants([])
+    check_invariants(eng.block_manager, [])

@@ -19,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from minipaged import LLM, BeamSearchParams, EngineConfig, SamplingParams
 from minipaged.engine.block_manager import BlockManager
+from minipaged.engine.block_usage import check_invariants
 from minipaged.engine.processor import RequestError
 from minipaged.engine.sequence import Sequence
 from minipaged.lessons.baseline import load_hf_model
@@ -80,7 +81,7 @@ def test_ngram_greedy_equals_hf_for_k_1_to_5(stories_hf):
         assert per_request == stats.num_accepted_tokens
         # Every emitted token is a verified one: fewer steps than tokens once proposals land.
         assert len(llm.trace) < max(lengths) + 1
-        llm.engine.block_manager.check_invariants([])
+        check_invariants(llm.engine.block_manager, [])
         assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
 
 
@@ -236,7 +237,7 @@ def test_rollback_gives_rejected_slots_blocks_back():
         for seq in eng.scheduler.running:
             table = eng.block_manager.block_tables[seq.seq_id]
             assert len(table) == -(-seq.num_computed_tokens // 2)
-        eng.block_manager.check_invariants(s.seq_id for s in eng.scheduler.running)
+        check_invariants(eng.block_manager, [s.seq_id for s in eng.scheduler.running])
     assert rejected > 10
 
 
@@ -476,7 +477,7 @@ class SpecRollbackMachine(RuleBasedStateMachine):
         seq.num_computed_tokens += a  # accepted proposals
         for _ in range(a + 1):
             seq.append_token(data.draw(st.integers(0, 2)))
-        self.bm.free_trailing_blocks(seq)
+        self.bm.truncate(seq, seq.num_computed_tokens)
         self.bm.cache_full_blocks(seq)
         assert len(self.bm.block_tables[seq.seq_id]) == -(-seq.num_computed_tokens // self.bs)
 
@@ -487,7 +488,7 @@ class SpecRollbackMachine(RuleBasedStateMachine):
 
     @invariant()
     def consistent(self):
-        self.bm.check_invariants(s.seq_id for s in self.seqs)
+        check_invariants(self.bm, [s.seq_id for s in self.seqs])
         a, bs = self.bm.allocator, self.bs
         for s in self.seqs:
             for j, b in enumerate(self.bm.block_tables[s.seq_id]):

@@ -14,7 +14,7 @@ from dataclasses import astuple
 import pytest
 import torch
 
-from tests.helpers import IGNORE_INTERPRETER_WARNINGS, triton_device
+from tests.helpers import IGNORE_INTERPRETER_WARNINGS, store_and_attend, triton_device
 
 DEVICE = triton_device()  # skips this module where Triton kernels cannot run
 
@@ -266,9 +266,10 @@ def test_backend_forward_equals_torch_ref_backend(seqs):
     ref_backend.prepare(ref_md)
     backend.prepare(md)
     for layer in range(2):  # the plan is shared by the layers of a step
-        ref = ref_backend.forward(ref_case.q, ref_case.k, ref_case.v, ref_case.k_cache,
-                                  ref_case.v_cache, ref_md, case.scale)
-        out = backend.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, md, case.scale)
+        ref = store_and_attend(ref_backend, ref_case.q, ref_case.k, ref_case.v, ref_case.k_cache,
+                               ref_case.v_cache, ref_md, case.scale)
+        out = store_and_attend(backend, case.q, case.k, case.v, case.k_cache, case.v_cache, md,
+                               case.scale)
         n = case.num_real
         assert_close(out[:n], ref[:n], torch.float32)
     torch.testing.assert_close(case.k_cache, ref_case.k_cache, rtol=0, atol=0)
@@ -283,8 +284,8 @@ def test_mixed_step_with_decodes_first_attends_in_two_launches(num_splits):
     first = Case([(1, 70), (1, 9), (30, 30), (5, 21)], 8, 8, 4, 16, torch.float32, pad_tokens=1)
     backend = TritonBackend(num_splits=num_splits)
     backend.prepare(first.metadata)
-    out = backend.forward(first.q, first.k, first.v, first.k_cache, first.v_cache,
-                          first.metadata, first.scale)
+    out = store_and_attend(backend, first.q, first.k, first.v, first.k_cache, first.v_cache,
+                           first.metadata, first.scale)
     assert_close(out[:first.num_real], first.expected(), torch.float32)
     plan = first.metadata.plan
     decodes, prompts = next(iter(plan.launches.values()))
@@ -295,8 +296,8 @@ def test_mixed_step_with_decodes_first_attends_in_two_launches(num_splits):
     assert decodes.config == tk.decode_config(16, 2, DEVICE == "cpu")
     after = Case([(30, 30), (1, 9)], 8, 8, 4, 16, torch.float32)
     backend.prepare(after.metadata)
-    backend.forward(after.q, after.k, after.v, after.k_cache, after.v_cache, after.metadata,
-                    after.scale)
+    store_and_attend(backend, after.q, after.k, after.v, after.k_cache, after.v_cache,
+                     after.metadata, after.scale)
     assert [astuple(p) for p in after.metadata.plan.parts] == [(0, 2, None, 30, 30)]
     assert len(next(iter(after.metadata.plan.launches.values()))) == 1
 

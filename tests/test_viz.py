@@ -8,6 +8,7 @@ import pytest  # noqa: E402
 
 from minipaged.lessons import viz  # noqa: E402
 from minipaged.engine.block_manager import BlockManager  # noqa: E402
+from minipaged.engine.block_usage import block_usage  # noqa: E402
 from minipaged.sampling import SamplingParams  # noqa: E402
 from minipaged.engine.sequence import Sequence  # noqa: E402
 from minipaged.engine.trace import ScheduledEntry, StepRecord  # noqa: E402
@@ -80,14 +81,14 @@ def test_block_table_view_counts_shared_blocks_once():
     bm.fork(a, b)
     v = viz.view_from_block_manager(bm)
     assert v.shared_blocks == set(bm.block_tables[a.seq_id])
-    assert v.num_tokens_stored == bm.usage().num_tokens_stored == 10
+    assert v.num_tokens_stored == block_usage(bm).num_tokens_stored == 10
     assert [v.fill(f"seq {a.seq_id}", i) for i in range(3)] == [4, 4, 2]
     # copy-on-write: b writes its 11th token into a private copy of the shared last block
     copies = bm.append_slots(b, 1)
     assert len(copies) == 1
     v = viz.view_from_block_manager(bm)
     assert len(v.shared_blocks) == 2
-    assert v.num_tokens_stored == bm.usage().num_tokens_stored
+    assert v.num_tokens_stored == block_usage(bm).num_tokens_stored
     plt.close(viz.plot_block_tables(bm))
 
 

@@ -288,7 +288,7 @@ class AsyncStepLoop(StepLoop):
                 if mgr.caught_up_and_ended(seq):
                     self.finish_stopped(seq, outputs, finished)
             except Exception as exc:  # this request's grammar: it fails alone
-                self.engine.fail_request(seq, exc, outputs, finished)
+                failures.fail_request(self.engine, seq, exc, outputs, finished)
 
     def finish_stopped(self, seq: Sequence, outputs: list[RequestOutput],
                        finished: list[str]) -> None:
@@ -321,7 +321,7 @@ class AsyncStepLoop(StepLoop):
         finished: list[str] = []
         for seq, exc in pending.errors:  # a deferred step's rows: before any token is appended
             if not seq.is_finished:
-                self.engine.fail_request(seq, exc, outputs, finished)
+                failures.fail_request(self.engine, seq, exc, outputs, finished)
         for seq in pending.ended + [pending.seqs[i] for i in pending.grammar_ended]:
             if not seq.is_finished:
                 self.finish_stopped(seq, outputs, finished)

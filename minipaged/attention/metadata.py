@@ -17,9 +17,8 @@ from typing import Any, Optional
 import torch
 
 
-# Block-table rows are padded to a multiple of this many entries: the row stride is a kernel
-# argument, and Triton compiles a new kernel variant when an int argument's divisibility by 16
-# changes (model_runner.py pads each step's table, cuda_graphs.py its static buffer).
+# GPU block-table rows are padded to a multiple of this (gpu_model_runner.py, cuda_graphs.py):
+# the row stride is a kernel argument, and Triton compiles a variant per divisibility by 16.
 BLOCK_TABLE_WIDTH_MULTIPLE = 16
 
 
@@ -51,9 +50,8 @@ class AttentionBackend:
     """Interface every backend implements (see `minipaged.attention`).
 
     Per step `prepare(metadata)` once (work shared by all layers); per layer `store_kv` (the
-    step's new K/V into their slots) then `attend` (the queries over the cache, which now holds
-    this step's keys too). The model calls `attend` after its `QKVRopeStore` layer has stored
-    K/V, through `store_kv` or, fused, in its own kernel (models/fused_layers.py).
+    step's new K/V into their slots; the model's `QKVRopeStore` calls it, or fuses it) then
+    `attend` (the queries over the cache, which now holds this step's keys too).
     """
 
     name = "base"
@@ -77,10 +75,3 @@ class AttentionBackend:
         q: (num_tokens, num_heads, head_dim); returns (num_tokens, num_heads, head_dim)
         """
         raise NotImplementedError
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor,
-                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        """`store_kv`, then `attend`: one layer's attention in a single call (tests, lessons)."""
-        self.store_kv(k, v, k_cache, v_cache, metadata)
-        return self.attend(q, k_cache, v_cache, metadata, scale)

@@ -1,18 +1,16 @@
-"""The physical layer of the paged KV cache (lesson 02): blocks, their free queue, and the
-prefix-cache index.
+"""The physical layer of the paged KV cache (lesson 02).
 
 `BlockAllocator` owns `num_blocks` physical blocks: a free queue, a reference count per block,
 and the prefix-cache index (block hash -> block). A block whose ref count drops to 0 goes to the
 *back* of the free queue but keeps its hash, so a later request with the same prefix can take it
 back ("cached"); new allocations pop from the *front*, evicting the least recently freed block
-first. `BlockManager` (block_manager.py) builds the per-sequence block tables on top of it (a
-second allocator can own another pool of blocks, such as a CPU pool (lesson 06).
+first. `BlockManager` (block_manager.py) builds the per-sequence block tables on top of it.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Optional
+from typing import Hashable, Optional
 
 
 @dataclass
@@ -110,30 +108,6 @@ class BlockAllocator:
             del self.hash_to_block[block.block_hash]
         block.block_hash = None
         block.token_ids = ()
-
-    def check_invariants(self, tables: Iterable[list[int]], what: str) -> list[int]:
-        """Raise unless every block's ref count equals its number of entries in `tables`, a
-        block is in the free queue exactly when nothing references it, and the hash index and
-        the cached count agree with the blocks. Returns the references counted per block."""
-        refs = [0] * self.num_blocks
-        for table in tables:
-            for b in table:
-                refs[b] += 1
-        for block in self.blocks:
-            if block.ref_count != refs[block.block_id]:
-                raise AssertionError(f"{what} {block.block_id}: ref_count {block.ref_count} "
-                                     f"but {refs[block.block_id]} table references")
-            in_free = block.block_id in self.free_queue
-            if in_free != (block.ref_count == 0):
-                raise AssertionError(f"{what} {block.block_id}: ref_count {block.ref_count}, "
-                                     f"in free queue: {in_free}")
-        for h, b in self.hash_to_block.items():
-            if self.blocks[b].block_hash != h:
-                raise AssertionError(f"hash index points at {what} {b} whose hash differs")
-        cached = sum(1 for b in self.free_queue if self.blocks[b].block_hash is not None)
-        if cached != self.num_cached_free:
-            raise AssertionError(f"num_cached_free {self.num_cached_free} != {cached}")
-        return refs
 
 
 def hash_block(parent_hash: Optional[int], token_ids: tuple[int, ...],

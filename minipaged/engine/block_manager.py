@@ -1,30 +1,24 @@
 """Paged KV-cache bookkeeping: which physical block holds which tokens of which sequence.
 
-Lesson 02 walks through this file. Nothing here touches a tensor (the K/V live in kv_cache.py):
-like an operating system's page allocator, it only hands out block *ids*. `BlockAllocator`
-(block_allocator.py) owns the physical blocks; `BlockManager` owns one `block_table` per
-sequence (logical block i -> physical block id) and speaks the scheduler's language:
-`can_allocate / allocate / can_append / append_slots / fork / free`, and `truncate` to give back
-a table's tail. Copy-on-write: a sequence about to write into a block another one also
-references (after `fork`) gets a private copy first, and the caller is told what to copy.
+Lesson 02 walks through this file. Like an operating system's page allocator it only hands out
+block *ids* (the K/V live in kv_cache.py). `BlockAllocator` (block_allocator.py) owns the
+physical blocks; `BlockManager` owns one `block_table` per sequence (logical block i -> physical
+block id) and speaks the scheduler's language: `can_allocate / allocate / can_append /
+append_slots / fork / free`, and `truncate`. Copy-on-write: a sequence about to write into a
+block another one references gets a private copy first, and the caller is told what to copy.
 
-A block's hash is `hash((parent_block_hash, token_ids_of_this_block, extra_key))`, so equal
-hashes mean equal *prefixes*; token ids are compared on every hit to rule out collisions.
-`extra_key(seq)` (vLLM's extra keys: an adapter's id, lesson 11) is chosen at build.
-
-A full block is published (vLLM V1's rule) when its slots are handed out (`cache_blocks`), before
-the forward writes them, so n requests of one prompt arriving together prefill it once (each
-layer stores the step's K/V before any attention reads them). Only known tokens are hashed. A
-block leaves the prefix cache again if its step never runs: its sequence preempted in the same
-pass (`cache_full_blocks`), or the forward raised (`drop_uncomputed_blocks`).
+A block's hash covers its whole prefix (`hash_block`, with `extra_key(seq)` chosen at build). A
+full block is published when its slots are handed out (`cache_blocks`, vLLM V1's rule), before
+the forward writes them, so requests of one prompt arriving together prefill it once (each layer
+stores the step's K/V before any attention reads them). It leaves the prefix cache again if its
+step never runs (`cache_full_blocks`, `drop_uncomputed_blocks`).
 """
 from __future__ import annotations
 
-from typing import Callable, Hashable, Iterable, Optional
+from typing import Callable, Hashable, Optional
 
 from minipaged.engine.block_allocator import Block, BlockAllocator, hash_block
 from minipaged.engine.sequence import Sequence
-from minipaged.engine.trace import BlockUsage
 from minipaged.utils import cdiv
 
 
@@ -46,11 +40,9 @@ class BlockManager:
         self._uncomputed_of: dict[int, list[int]] = {}
         # Sequences admitted with a hit on such a block: seq_id -> (seq, first such index).
         self._uncomputed_hits: dict[int, tuple[Sequence, int]] = {}
-        # Prefix-cache statistics (lesson 02, issue on sharing): prompt tokens asked / served.
-        self.prefix_queries = 0
-        self.prefix_hits = 0
-        # Entries in all block tables; minus the blocks in use, it is what sharing saves (lesson 06).
-        self.num_block_refs = 0
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache ...
+        self.prefix_hits = 0  # ... and found there
+        self.num_block_refs = 0  # entries in all block tables (accounting: block_usage.py)
 
     # --- sizes ------------------------------------------------------------------------------
     @property
@@ -64,12 +56,6 @@ class BlockManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    @property
-    def num_blocks_saved_by_sharing(self) -> int:
-        """Block-table entries that point at a block another table also uses: the blocks the
-        same sequences would take without sharing (fork, prefix hits), minus what they take."""
-        return self.num_block_refs - (self.num_blocks - self.num_free_blocks)
-
     def hash_key(self, seq: Sequence) -> Hashable:
         """What `seq`'s block hashes mix in besides its tokens (`extra_key`; None: nothing)."""
         return None if self.extra_key is None else self.extra_key(seq)
@@ -77,11 +63,8 @@ class BlockManager:
     # --- admission --------------------------------------------------------------------------
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[Block], int]:
         """Longest cached prefix of `seq` in whole blocks: (blocks, number of tokens they hold).
-
-        At least one token is always left to compute, because the engine needs the logits of
-        the last token to sample the next one (vLLM does the same). Nothing for a sequence that
-        computes every token (`skip_reading_prefix_cache`: prompt logprobs need them all).
-        """
+        At least one token is left to compute: its logits sample the next (vLLM does the same).
+        Nothing for a sequence that computes every token (`skip_reading_prefix_cache`)."""
         if not self.enable_prefix_caching or seq.skip_reading_prefix_cache:
             return [], 0
         bs = self.block_size
@@ -222,10 +205,9 @@ class BlockManager:
             del hashes[seq.num_computed_tokens // self.block_size:]
 
     def drop_uncomputed_blocks(self) -> None:
-        """Called as a scheduling pass starts: blocks still published ahead of their K/V belong
-        to a step that never ran (its forward raised). They leave the prefix cache, and a
-        sequence admitted with a hit on one goes back to the blocks before it (its table is cut
-        there; the scheduler gives it the rest as prefill)."""
+        """As a scheduling pass starts: blocks still published ahead of their K/V belong to a
+        step whose forward raised. They leave the prefix cache; a sequence admitted with a hit
+        on one is truncated before it (the scheduler gives it the rest as prefill)."""
         hits, self._uncomputed_hits = self._uncomputed_hits, {}
         if not self._uncomputed:
             return  # (the common case: the last step ran)
@@ -238,10 +220,9 @@ class BlockManager:
         self._uncomputed_of.clear()
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
-        """Keep only the blocks that hold the first `num_tokens` tokens, which are now all that is
-        computed of `seq`; the tail goes to the back of the free queue. For a step that ran only
-        in part: guessed tokens the model rejected (lesson 10), a hit on a block whose forward
-        raised (`drop_uncomputed_blocks`)."""
+        """Keep only the blocks of the first `num_tokens` tokens, now all that is computed of
+        `seq`; the tail goes to the back of the free queue. For a step that ran only in part
+        (rejected guesses, lesson 10; `drop_uncomputed_blocks`)."""
         table = self.block_tables[seq.seq_id]
         keep = self.num_blocks_for(num_tokens)
         while len(table) > keep:
@@ -251,10 +232,6 @@ class BlockManager:
         seq.num_cached_tokens = min(seq.num_cached_tokens, num_tokens)
         self.num_slots[seq.seq_id] = num_tokens
         del self._hashes[seq.seq_id][num_tokens // self.block_size:]
-
-    def free_trailing_blocks(self, seq: Sequence) -> None:
-        """`truncate` to the computed tokens (a rollback of rejected guesses, lesson 10)."""
-        self.truncate(seq, seq.num_computed_tokens)
 
     # --- sharing and release ----------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -269,10 +246,8 @@ class BlockManager:
         child.num_computed_tokens = parent.num_computed_tokens
 
     def free(self, seq: Sequence) -> None:
-        """Drop the sequence's references; tail blocks first, so they are evicted first.
-
-        Full blocks not yet published go to the prefix cache first: a step loop that reads
-        tokens a step late knows a sequence's last computed token only as it finishes it."""
+        """Drop the sequence's references, tail blocks first (evicted first). Full blocks not yet
+        published go to the prefix cache first (a step loop may read the last token late)."""
         table = self.block_tables.get(seq.seq_id)
         if table is None:
             return  # (freed already)
@@ -291,31 +266,3 @@ class BlockManager:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
-
-    def usage(self) -> BlockUsage:
-        """Exact counts from the tables: used / cached / free blocks, tokens and empty slots."""
-        bs = self.block_size
-        filled: dict[int, int] = {}  # physical block -> slots holding a token (max over sharers)
-        for seq_id, table in self.block_tables.items():
-            n = self.num_slots[seq_id]
-            for i, b in enumerate(table):
-                filled[b] = max(filled.get(b, 0), min(bs, max(n - i * bs, 0)))
-        a = self.allocator
-        num_used = a.num_blocks - a.num_free_blocks
-        return BlockUsage(
-            num_blocks=a.num_blocks, block_size=bs, num_used_blocks=num_used,
-            num_cached_blocks=a.num_cached_free,
-            num_free_blocks=a.num_free_blocks - a.num_cached_free,
-            num_tokens_stored=sum(filled.values()), num_slots_allocated=num_used * bs)
-
-    def check_invariants(self, live_seq_ids: Optional[Iterable[int]] = None) -> None:
-        """Raise if ref counts, the free queue or the hash index disagree with the tables.
-
-        Used by the property tests; cheap enough to call from a notebook after every step.
-        """
-        refs = self.allocator.check_invariants(self.block_tables.values(), "block")
-        if live_seq_ids is not None and set(live_seq_ids) != set(self.block_tables):
-            raise AssertionError("block tables exist for sequences that are not live")
-        if self.num_block_refs != sum(refs):
-            raise AssertionError(f"num_block_refs {self.num_block_refs} != {sum(refs)} "
-                                 "table entries")

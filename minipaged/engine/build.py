@@ -13,8 +13,9 @@ since nothing of it is in the objects that run. The block manager's and the sche
     scheduling_policy    priority/scheduling.py PriorityScheduling: queues in priority order, a
     "priority"                                  more urgent request preempts less urgent ones
 
-A step loop that plans differently passes its own `Scheduler` subclass as `base`
-(async_sched/step_loop.py, spec_decode/scheduler.py); the mixins go on top of it. Beside them:
+The step loop (engine/step_loop.py) is chosen here too (`step_loop_class`); one that plans
+differently passes its own `Scheduler` subclass as `base` (async_sched/step_loop.py,
+spec_decode/scheduler.py), and the mixins go on top of it. Beside them:
 
     tensor_parallel_size > 1   distributed/        the workers started, this rank's shard loaded
     quantization               models/quantization the linear layers replaced (a module transform)
@@ -32,6 +33,7 @@ import torch
 from minipaged.engine.block_manager import BlockManager
 from minipaged.engine.extensions import Extensions
 from minipaged.engine.scheduler import Scheduler
+from minipaged.engine.step_loop import StepLoop, SyncStepLoop
 from minipaged.groups.extension import GroupExtension
 from minipaged.groups.scheduling import GroupScheduling
 from minipaged.lora.extension import LoRAExtension
@@ -155,6 +157,18 @@ def build_block_manager(num_blocks: int, block_size: int, enable_prefix_caching:
         return SwapBlockManager(num_blocks, block_size, enable_prefix_caching, extra_key,
                                 num_cpu_blocks=num_cpu_blocks)
     return BlockManager(num_blocks, block_size, enable_prefix_caching, extra_key)
+
+
+def step_loop_class(config) -> type[StepLoop]:
+    """The step loop a resolved config asks for: the names of the capabilities that bring
+    their own loop appear here, and nowhere else."""
+    if config.speculative_config is not None:  # propose, verify, roll back (lesson 10)
+        from minipaged.spec_decode.step_loop import SpecDecodeStepLoop
+        return SpecDecodeStepLoop
+    if config.async_scheduling:  # plan step t+1 while the GPU runs step t (lesson 08)
+        from minipaged.async_sched.step_loop import AsyncStepLoop
+        return AsyncStepLoop
+    return SyncStepLoop
 
 
 def build_engine_scheduler(config, block_manager: BlockManager, loop_cls) -> Scheduler:

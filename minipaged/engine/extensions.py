@@ -20,9 +20,10 @@ engine's step calls nothing:
     rows_to_sample(engine, logits, seqs)      (logits, seqs) of the rows to sample (a group's
                                               prompt forks into its samples; beams wait)
     process_logits(logits, seqs)              the rows about to be sampled (grammar masks)
-    after_sample(engine, outputs, finished)   after the step's tokens are processed (beam
-                                              steps), adding to the step's outputs
-    abort(request_id)                         the request is aborted
+    after_tokens(engine, seqs, outputs,       after `process_tokens` appended a token to each
+                 finished)                    of `seqs` (a group of n samples reports, beam
+                                              searches step), adding to the step's outputs
+    abort(request_id)                         the request is aborted, before the engine drops it
 
 vLLM keeps the same points in its `Processor` (checks), its scheduler (structured-output and
 LoRA admission), its `StructuredOutputManager` (bitmasks before sampling) and its n > 1 fan-out
@@ -35,7 +36,7 @@ from typing import Callable, Optional
 import torch
 
 HOOKS = ("prepare", "hold", "num_held", "before_plan", "after_plan", "rows_to_sample",
-         "process_logits", "after_sample", "abort")
+         "process_logits", "after_tokens", "abort")
 
 
 class RequestExtension:
@@ -62,7 +63,7 @@ class RequestExtension:
     def process_logits(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
         return logits
 
-    def after_sample(self, engine, outputs: list, finished: list[str]) -> None:
+    def after_tokens(self, engine, seqs: list, outputs: list, finished: list[str]) -> None:
         pass
 
     def abort(self, request_id: str) -> None:

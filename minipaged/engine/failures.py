@@ -1,7 +1,7 @@
 """A request that raises while it is stepped fails alone (lesson 07, serving).
 
 Whatever raises while the engine works on one request (its sampling, detokenizing, a stop check,
-its beam step) is that request's fault: `LLMEngine.fail_request` ends it with `FINISHED_ERROR`, gives
+its beam step) is that request's fault: `fail_request` ends it with `FINISHED_ERROR`, gives
 its blocks back and returns its last `RequestOutput` (finish_reason "error", `error` set), and
 the step goes on for every other request. So does a request whose LoRA adapter, dropped from
 the CPU cache, can no longer be read from its folder: it fails before the forward
@@ -18,18 +18,53 @@ the retry. Greedy rows need nothing; unseeded rows draw fresh noise from the eng
 """
 from __future__ import annotations
 
+import logging
+import time
 from typing import Callable, Optional, TypeVar
 
 import torch
 
 from minipaged.engine.output import CompletionOutput, OutputProcessor, RequestOutput
 from minipaged.engine.scheduler import Scheduler
-from minipaged.engine.sequence import Sequence
+from minipaged.engine.sequence import Sequence, SequenceStatus
 from minipaged.groups.group import SequenceGroup
 from minipaged.sampling import SamplerOutput
 
+logger = logging.getLogger("minipaged.engine")
 Row = TypeVar("Row")
 SavedGenerators = list[tuple[Sequence, Optional[torch.Tensor]]]
+
+
+def fail_request(engine, seq: Sequence, exc: Exception, outputs: list[RequestOutput],
+                 finished: list[str]) -> None:
+    """End `seq`'s whole request with FINISHED_ERROR (every sample or beam), free its
+    blocks, and report it in this step's `outputs` and `finished` (`engine`: an LLMEngine)."""
+    root = engine.requests.pop(seq.request_id, None)
+    if root is None:  # it has already failed this step (another of its samples)
+        return
+    group = engine.groups.pop(seq.request_id, None)
+    error = describe(exc)
+    logger.warning("request %r failed: %s", seq.request_id, error, exc_info=exc)
+    # The culprit, even if it had finished, and every other sequence still running.
+    live = held_seqs(engine.scheduler, seq.request_id)
+    for s in dict.fromkeys([seq] + live):
+        engine.scheduler.finish(s, SequenceStatus.FINISHED_ERROR)
+        s.error = error
+    root.error, root.finished_time = error, time.time()
+    outputs.append(error_output(engine.output_processor, root, group, live))
+    finished.append(seq.request_id)
+
+
+def sample_batch(sampler: Callable[[torch.Tensor, list[Sequence]], SamplerOutput],
+                 logits: torch.Tensor, seqs: list[Sequence]):
+    """`sampler(logits, seqs)` -> (its output, the sequences it holds tokens for, [(sequence,
+    error)] of the rows that raised): all rows at once, and only if that raises, each alone."""
+    generators = save_generators(seqs)  # seeded rows: for a retry after a raise
+    try:
+        return sampler(logits, seqs), seqs, []
+    except Exception:
+        done, errors = sample_rows_alone(sampler, logits, seqs, generators)
+        return join_outputs([out for _, out in done]), [seq for seq, _ in done], errors
 
 
 def describe(exc: BaseException) -> str:

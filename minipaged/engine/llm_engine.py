@@ -1,24 +1,20 @@
-"""`LLMEngine`: add requests, step, collect outputs. The loop every front end drives.
+"""`LLMEngine`: add requests, step, collect outputs; `LLM` (llm.py) and the server loop `step()`.
 
-One `step()` is the whole life cycle of lesson 03, in public phases (lesson 02b calls them one
-by one; the step loop of engine/step_loop.py calls them in order):
+One `step()` is the life cycle of lesson 03 in public phases, which lesson 02b calls one by one
+and the step loop (step_loop.py) in order:
 
     schedule()            which sequences run, how many tokens each, who is preempted
     execute_model(sched)  flatten, forward, last-token logits (worker/model_runner.py)
     update_computed()     the step's K/V are in the cache
-    sample_and_process()  one next token per sequence that reached its last token; append it,
-                          check stop conditions (output.py), free finished sequences' blocks
-    finish_step()         a StepRecord for the lessons' plots; the step's outputs
+    sample_and_process()  a token per sequence that reached its last token; append it, check
+                          stops (output.py), free finished sequences' blocks
+    finish_step()         the step's StepRecord (trace.py) and outputs
 
 A request is checked before it is queued (processor.py); one that raises while it is stepped
-fails alone (`fail_request`: finish_reason "error", its blocks freed; failures.py). Everything a
-later lesson adds is attached once, at build (engine/build.py), through a named seam that costs
-nothing while it is off: a step loop, request extensions (extensions.py), the scheduler's and
-block manager's policies, runner wrappers. `LLM` (llm.py) and the server loop `step()`.
+fails alone (failures.py). Later capabilities attach at build (build.py) through named seams.
 """
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from typing import Iterable, Optional
@@ -30,13 +26,13 @@ from minipaged.config import EngineConfig
 from minipaged.engine import failures, processor
 from minipaged.engine.build import (build_engine_scheduler, build_extensions,
                                     build_kv_block_manager, build_kv_cache, build_model,
-                                    build_runner, build_sampler, settle)
+                                    build_runner, build_sampler, settle, step_loop_class)
 from minipaged.engine.output import OutputProcessor, RequestOutput, eos_token_ids
 from minipaged.engine.processor import RequestError
-from minipaged.engine.scheduler import Scheduler, SchedulerOutput
+from minipaged.engine.scheduler import SchedulerOutput
 from minipaged.engine.sequence import Sequence, SequenceStatus
 from minipaged.groups.group import SequenceGroup
-from minipaged.engine.step_loop import StepLoop, SyncStepLoop
+from minipaged.engine.step_loop import StepLoop
 from minipaged.engine.trace import StepRecord, StepTimes, step_record
 from minipaged.groups.beam_search import BeamSearchParams
 from minipaged.lora.request import LoRARequest
@@ -44,8 +40,6 @@ from minipaged.models.config import ModelConfig, parse_dtype
 from minipaged.models.loader import load_tokenizer, resolve_model
 from minipaged.sampling import SamplerOutput, SamplingParams
 from minipaged.worker.cpu_threads import apply_cpu_threads
-
-logger = logging.getLogger("minipaged.engine")
 
 
 class LLMEngine:
@@ -58,29 +52,25 @@ class LLMEngine:
         self.dtype = parse_dtype(config.dtype)
         self.backend = get_attention_backend(config.attention_backend, config.device)
         torch.manual_seed(config.seed)
-        # The model, with the capabilities that change it (engine/build.py): 1/N of every layer
-        # with tensor parallelism (lesson 09), fp8 layers, adapter slots (lesson 11).
         self.requests: dict[str, Sequence] = {}  # unfinished requests: their first sequence
-        self.model, self.model_config, self.lora_manager = build_model(
+        self.model, self.model_config, self.lora_manager = build_model(  # (+ its transforms)
             config, self.source, self.dtype, self.device, self.backend, self.requests)
         self.kv_config = self.model.config  # the KV heads this process holds (1/N with TP)
         self.tokenizer = load_tokenizer(self.source, config.tokenizer)
         self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 config.max_model_len, config.block_size)
-
-        # The KV cache: as many blocks as the memory knobs allow (worker/kv_cache.py).
-        self.kv_cache, self.kv_dtype, self.block_bytes = build_kv_cache(
+        self.kv_cache, self.kv_dtype, self.block_bytes = build_kv_cache(  # as many blocks as fit
             config, self.model, self.backend, self.kv_config, self.dtype, self.device)
         self.num_blocks = self.kv_cache.shape[2]  # (layers, 2, num_blocks, block_size, ...)
         self.block_manager, self.cpu_cache = build_kv_block_manager(  # (+ swap's CPU pool)
             config, self.num_blocks, self.kv_cache, self.block_bytes)
-        loop_cls = step_loop_class(config)  # the step loop, chosen once (engine/step_loop.py)
+        loop_cls = step_loop_class(config)  # the step loop, chosen once (step_loop.py)
         self.scheduler = build_engine_scheduler(config, self.block_manager, loop_cls)
         self.model_runner = build_runner(config, self.model, self.kv_cache, self.backend,
                                          self.lora_manager, self.cpu_cache)
         self.sampler = build_sampler(config, self.eos_token_ids)  # (CUDA: sampling kernels)
-        self.groups: dict[str, SequenceGroup] = {}  # ... those with n > 1 or a beam search
+        self.groups: dict[str, SequenceGroup] = {}  # requests of n > 1 or beams (groups/)
         self.ext, structured = build_extensions(self)  # request extensions (extensions.py)
         self.structured_output, self.grammar_compiles = structured.manager, structured.compiles
         # One StepRecord per step; a bounded deque where the config caps it (a server).
@@ -106,15 +96,9 @@ class LLMEngine:
                     sampling_params: Optional[SamplingParams | BeamSearchParams] = None,
                     arrival_time: Optional[float] = None,
                     lora_request: Optional[LoRARequest] = None, priority: int = 0) -> Sequence:
-        """Queue a request. Raises `RequestError` (and queues nothing) if it can never be served.
-
-        `lora_request` runs it with that LoRA adapter (needs `enable_lora`; the adapter is read
-        and checked here unless the LoRA CPU cache or a device slot already holds it).
-        `priority` orders it under `scheduling_policy="priority"` (lower first; minipaged/priority/).
-
-        `BeamSearchParams` queue a beam search (what `LLM.beam_search` does); `SamplingParams`
-        with `n > 1` queue n samples of one prompt.
-        """
+        """Queue a request; raises `RequestError` (and queues nothing) if it can never be served.
+        `BeamSearchParams` queue a beam search, `lora_request` needs `enable_lora`, `priority`
+        orders it under `scheduling_policy="priority"` (lower first)."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         params = SamplingParams() if sampling_params is None else sampling_params
@@ -152,20 +136,17 @@ class LLMEngine:
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            for abort in self.ext.abort:
+            for abort in self.ext.abort:  # e.g. a group's samples and beams are aborted
                 abort(rid)
             seq = self.requests.pop(rid, None)
-            group = self.groups.pop(rid, None)
-            for s in group.seqs if group is not None else [seq] if seq is not None else []:
-                if not s.is_finished:  # every sample / beam gives its blocks back
-                    self.scheduler.finish(s, SequenceStatus.FINISHED_ABORTED)
+            if seq is not None and not seq.is_finished:  # it gives its blocks back
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self.step_loop.has_unfinished_requests()
 
     def has_unfinished_sequences(self) -> bool:
-        """Sequences the scheduler holds, or requests an extension holds (a step loop adds
-        what it keeps in flight)."""
+        """Sequences the scheduler or an extension holds (a step loop adds its own in flight)."""
         return self.scheduler.has_unfinished() or any(held() for held in self.ext.num_held)
 
     def get_num_unfinished_requests(self) -> int:
@@ -176,15 +157,14 @@ class LLMEngine:
         return self.step_loop.step()
 
     def schedule(self) -> SchedulerOutput:
-        """Phase 1, plan the step. Swapped blocks move when the runner executes it, before the
-        forward (swap/runner.py), or here for a step with no forward to run."""
+        """Phase 1, plan the step (scheduler.py), the extensions' hooks around it."""
         for hook in self.ext.before_plan:  # e.g. held requests whose wait is over join the queue
             hook(self)
         sched = self.scheduler.schedule()
         for hook in self.ext.after_plan:  # e.g. fail what cannot run after all
             hook(self, sched)
         if sched.is_empty and (sched.blocks_to_swap_out or sched.blocks_to_swap_in):
-            self.model_runner.swap(sched)  # (only swap preemption plans these: its runner)
+            self.model_runner.swap(sched)  # (swap/runner.py; else the forward moves them)
         return sched
 
     def execute_model(self, sched: SchedulerOutput, *args) -> torch.Tensor:
@@ -195,12 +175,10 @@ class LLMEngine:
     def fail_before_forward(self, seq: Sequence, exc: Exception) -> None:
         """Fail `seq`'s request alone before the step's forward (an extension found it cannot
         run); its output goes out with the step's (`with_failed`)."""
-        self.fail_request(seq, exc, self._failed_outputs, self._failed_ids)
+        failures.fail_request(self, seq, exc, self._failed_outputs, self._failed_ids)
 
     def with_failed(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """A step's outputs, after those of requests that failed before its forward."""
-        if not self._failed_outputs:
-            return outputs
         failed, self._failed_outputs = self._failed_outputs, []
         return failed + outputs
 
@@ -222,10 +200,8 @@ class LLMEngine:
         return self.with_failed(outputs)
 
     def update_computed(self, sched: SchedulerOutput) -> list[Sequence]:
-        """Phase 3: the forward has written the step's K/V: count them computed (the full
-        blocks they fill were published when the scheduler allocated their slots: now they are
-        computed; `cache_full_blocks` publishes those whose tokens were not known then);
-        returns the sequences that sample, in step order."""
+        """Phase 3: the forward has written the step's K/V: count them computed, publish the
+        full blocks not published at allocation; returns the sequences that sample, in order."""
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.cache_full_blocks(s.seq)
@@ -244,56 +220,29 @@ class LLMEngine:
                 logits = hook(logits, sampling)
             sampler_out, sampling, errors = self.sample(logits, sampling)
             for seq, exc in errors:
-                self.fail_request(seq, exc, outputs, finished)
+                failures.fail_request(self, seq, exc, outputs, finished)
         self.process_tokens(sampling, sampler_out, outputs, finished)
-        for hook in self.ext.after_sample:  # e.g. beam searches step
-            hook(self, outputs, finished)
         return outputs, finished
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]):
         """Returns (the sampler's output, the sequences it holds tokens for, [(sequence, error)]
         of the rows that raised). A raise in the batch is traced to its rows (failures.py)."""
-        generators = failures.save_generators(seqs)  # seeded rows: for a retry after a raise
-        try:
-            return self.sampler(logits, seqs), seqs, []
-        except Exception:
-            # Runs only after the batch raised: each row alone, so only the rows that raise fail.
-            done, errors = failures.sample_rows_alone(self.sampler, logits, seqs, generators)
-            return (failures.join_outputs([out for _, out in done]), [seq for seq, _ in done],
-                    errors)
-
-    def fail_request(self, seq: Sequence, exc: Exception, outputs: list[RequestOutput],
-              finished: list[str]) -> None:
-        """End `seq`'s whole request with FINISHED_ERROR (every sample or beam), free its
-        blocks, and report it in this step's `outputs` and `finished`."""
-        root = self.requests.pop(seq.request_id, None)
-        if root is None:  # it has already failed this step (another of its samples)
-            return
-        group = self.groups.pop(seq.request_id, None)
-        error = failures.describe(exc)
-        logger.warning("request %r failed: %s", seq.request_id, error, exc_info=exc)
-        # The culprit, even if it had finished, and every other sequence still running.
-        live = failures.held_seqs(self.scheduler, seq.request_id)
-        for s in dict.fromkeys([seq] + live):
-            self.scheduler.finish(s, SequenceStatus.FINISHED_ERROR)
-            s.error = error
-        root.error, root.finished_time = error, time.time()
-        outputs.append(failures.error_output(self.output_processor, root, group, live))
-        finished.append(seq.request_id)
+        return failures.sample_batch(self.sampler, logits, seqs)
 
     def process_tokens(self, sampling: list[Sequence], sampler_out: Optional[SamplerOutput],
                        outputs: list[RequestOutput], finished: list[str]) -> None:
         """Append each sampled token, check stops, finish; adds to `outputs` and `finished`.
-        A raise while one request is processed fails that request alone (`fail_request`)."""
+        A raise while one request is processed fails that request alone."""
         now = time.time()
-        touched: dict[str, SequenceGroup] = {}  # groups with a sample this step
         out = self.output_processor
+        appended: list[Sequence] = []  # the sequences that got their token
         for row, seq in enumerate(sampling):
             if seq.is_finished:  # aborted, failed, or stopped by a token read a step late
                 continue
             try:
                 token = sampler_out.token_ids[row]
                 seq.append_token(token)
+                appended.append(seq)
                 if seq.first_token_time is None:
                     seq.first_token_time = now
                 if sampler_out.logprobs and sampler_out.logprobs[row] is not None:
@@ -305,9 +254,9 @@ class LLMEngine:
                 if status is not None:
                     seq.finished_time = now
                     self.scheduler.finish(seq, status)
-                if seq.group is not None:  # one of n samples: the request ends with its last
-                    touched[seq.request_id] = seq.group
-                elif status is not None:
+                if seq.group is not None:  # one of n samples: its group reports (after_tokens)
+                    continue
+                if status is not None:
                     outputs.append(out.make_output(seq))
                     self.requests.pop(seq.request_id, None)
                     finished.append(seq.request_id)
@@ -315,25 +264,13 @@ class LLMEngine:
                     out.detokenize(seq)
                     outputs.append(out.make_output(seq))
             except Exception as exc:  # this request's fault: it fails alone
-                self.fail_request(seq, exc, outputs, finished)
-        for rid, group in touched.items():
-            if rid not in self.requests:  # it failed this step
-                continue
-            try:
-                if group.is_finished:
-                    outputs.append(out.make_group_output(group, None))
-                    self.requests.pop(rid, None)
-                    self.groups.pop(rid, None)
-                    finished.append(rid)
-                elif self.stream_outputs:
-                    outputs.append(out.make_group_output(group, None))
-            except Exception as exc:
-                self.fail_request(group.seqs[0], exc, outputs, finished)
+                failures.fail_request(self, seq, exc, outputs, finished)
+        for hook in self.ext.after_tokens:  # e.g. groups report, beam searches step
+            hook(self, appended, outputs, finished)
 
     def record_step(self, sched: SchedulerOutput, finished: list[str], t0: float,
                     wait_time: float = 0.0) -> None:
-        """Append this step's StepRecord to the trace (engine/trace.py builds it); `wait_time`:
-        the step's wait for the GPU's tokens."""
+        """Append this step's StepRecord (trace.py); `wait_time`: its wait for the GPU's tokens."""
         bm = self.block_manager
         finished, self._failed_ids = self._failed_ids + finished, []
         queries, hits = self._prefix_stats
@@ -342,15 +279,3 @@ class LLMEngine:
             self.num_steps, t0 - self._start, time.perf_counter() - t0, wait_time),
             bm.prefix_queries - queries, bm.prefix_hits - hits))
         self.num_steps += 1
-
-
-def step_loop_class(config: EngineConfig) -> type[StepLoop]:
-    """The step loop a resolved config asks for: the names of the capabilities that bring
-    their own loop appear here, and nowhere else in the core."""
-    if config.speculative_config is not None:  # propose, verify, roll back (lesson 10)
-        from minipaged.spec_decode.step_loop import SpecDecodeStepLoop
-        return SpecDecodeStepLoop
-    if config.async_scheduling:  # plan step t+1 while the GPU runs step t (lesson 08)
-        from minipaged.async_sched.step_loop import AsyncStepLoop
-        return AsyncStepLoop
-    return SyncStepLoop

@@ -13,10 +13,9 @@ Before promising tokens it asks the `BlockManager` for room. When the cache is f
 recently admitted running sequence is *preempted* (recompute, vLLM's default): it gives up its
 blocks and goes back to the front of the waiting queue, to prefill everything again later.
 
-The seams: a later capability overrides a few methods from its own folder, composed once at
-build (engine/build.py): `num_tokens_to_compute` (step loops), `can_admit`, `admit`, `has_seats`,
-`gang` (groups/), `preempt` (the preemption mode: recompute here, swap/ to a CPU pool) and the
-queues' bookkeeping (`enter_running`, `leave_running`, `finish`, `seqs`).
+The seams: later capabilities override `num_tokens_to_compute`, `can_admit`, `admit`,
+`has_seats`, `gang`, `preempt` and the queues' bookkeeping from their own folders, composed once
+at build (engine/build.py).
 """
 from __future__ import annotations
 
@@ -35,11 +34,9 @@ class ScheduledSeq:
     is_prefill: bool  # more than the newest token (prompt, chunk, or recompute)
     samples: bool  # this step reaches the sequence's last known token, so it samples the next
     num_cached_tokens: int = 0  # admitted this step: tokens served from the prefix cache
-    # Its block table (logical block i -> physical block id) as the step leaves it: what the
-    # worker needs to find the cache slots, so it never asks the block manager.
+    # Its block table as the step leaves it: the worker never asks the block manager.
     block_table: list[int] = field(default_factory=list)
-    # Guessed tokens this step verifies after the newest token (counted in num_new_tokens;
-    # lesson 10); empty for every other sequence.
+    # Guessed tokens it verifies after the newest token (in num_new_tokens; lesson 10).
     spec_token_ids: list[int] = field(default_factory=list)
 
 
@@ -113,8 +110,7 @@ class Scheduler:
     # --- the step plan ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        # Blocks published for a step whose forward raised must not be hit as computed.
-        self.block_manager.drop_uncomputed_blocks()
+        self.block_manager.drop_uncomputed_blocks()  # (published for a step that raised)
         # 1 + 2: running sequences, decodes first, then unfinished prefill chunks (may preempt).
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         # 3: admit waiting sequences (not in a step that had to preempt: memory is short).
@@ -125,15 +121,9 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """Steps 1 and 2: plan the running sequences' tokens; returns the budget left.
-
-        Decodes first (1 token each), then unfinished prefill chunks (as many tokens as they have
-        left and the budget holds), each in `self.running` order, until the budget is spent. A
-        sequence the cache has no room for (`can_append`) preempts the most recently admitted
-        running sequence (`_preempt_last`, which may return budget a victim had been planned
-        for) until it fits, or until it was the victim itself. Each plan goes to `out.scheduled`
-        and its copy-on-write pairs (`append_slots`) to `out.blocks_to_copy`.
-        """
+        """Steps 1 and 2: decodes, then prefill chunks, in `running` order until the budget is
+        spent; returns the budget left. A sequence the cache has no room for preempts the last
+        admitted (`_preempt_last`) until it fits, or until it was the victim itself."""
         bm = self.block_manager
         decodes: list[Sequence] = []
         chunks: list[Sequence] = []
@@ -235,10 +225,7 @@ class Scheduler:
         """Mark finished and give its blocks back (called by the engine)."""
         if seq.status is SequenceStatus.RUNNING:
             self.leave_running(seq)
-        else:
-            try:
-                self.waiting.remove(seq)
-            except ValueError:
-                pass
+        elif seq in self.waiting:  # (a request held outside the queue is not)
+            self.waiting.remove(seq)
         seq.status = status
         self.block_manager.free(seq)

@@ -63,8 +63,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     logprobs: Optional[list[dict[int, "Logprob"]]] = None
     output_text: str = ""
-    # Incremental detokenization (output.detokenize_incrementally): tokenizers' DecodeStream, fed
-    # token_ids[:detok_read_offset] so far (-1 until the first call). Not shared by forks.
+    # Incremental detokenization (output.py): a DecodeStream fed token_ids[:detok_read_offset].
     detok_stream: Optional[object] = field(default=None, repr=False)
     detok_read_offset: int = -1
     stop_searched_len: int = 0  # output_text[:this] has been searched for stop strings
@@ -72,21 +71,18 @@ class Sequence:
     error: Optional[str] = None  # FINISHED_ERROR: what went wrong, for the request's caller
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
-    # vLLM's name: admitted without looking up the prefix cache (its blocks are still published)
-    skip_reading_prefix_cache: bool = False
-    # SamplingParams.prompt_logprobs: per prompt token, None first (minipaged/prompt_logprobs/)
+    skip_reading_prefix_cache: bool = False  # vLLM's name: no prefix-cache lookup at admission
+    # SamplingParams.prompt_logprobs: per prompt token, None first (prompt_logprobs/)
     prompt_logprobs: Optional[list[Optional[dict[int, "Logprob"]]]] = None
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
     generator: Optional["torch.Generator"] = None  # per-request RNG when SamplingParams.seed is set
-    # Parallel sampling and beam search (lesson 06); None / 0 for a plain single-sequence request.
-    group: Optional[object] = field(default=None, repr=False)  # its groups.group.SequenceGroup
+    group: Optional[object] = field(default=None, repr=False)  # n > 1, beams: its SequenceGroup
     index: int = 0  # which of the group's samples (its CompletionOutput.index); beams: a counter
     recompute_until: int = 0  # tokens whose K/V a recompute preemption threw away (for the trace)
     lora_request: Optional["LoRARequest"] = None  # the adapter it runs with (minipaged/lora/)
     priority: int = 0  # scheduling_policy="priority": lower runs first (minipaged/priority/)
-    # Speculative decoding (spec_decode/, lesson 10): the proposals the next step verifies (not
-    # part of token_ids until accepted), and the request's totals proposed / accepted.
+    # spec_decode/: the proposals the next step verifies, the totals proposed / accepted.
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

@@ -1,20 +1,11 @@
 """The step-loop seam: who runs `step()`, chosen once when the engine is built (lessons 02b, 03).
 
 A step loop owns `step()` and `has_unfinished_requests()`; the engine forwards both to the loop
-it was built with (`LLMEngine.step_loop`; vLLM binds `EngineCore.step_fn` once the same way).
-Every loop is made of the engine's public phases:
-
-    schedule()            plan: which sequences run, how many tokens each (scheduler.py)
-    execute_model(sched)  the forward: logits of the rows that sample
-    update_computed()     the step's K/V are in the cache: num_computed_tokens moves on
-    sample_and_process()  sample a token per row, append it, check stops, finish requests
-    finish_step()         record the StepRecord, return the step's outputs
-
-`SyncStepLoop` below is the core's loop, one step at a time. The others live with their
-capability and plug in here: `async_sched.AsyncStepLoop` (plan step t+1 while the GPU runs
-step t, lesson 08) and `spec_decode.SpecDecodeStepLoop` (propose, verify, roll back, lesson
-10). A loop may also bring its own scheduler class (`scheduler_cls`, built by the engine with
-`scheduler_kwargs`) and refuse requests it cannot serve (`check_request`).
+it was built with (vLLM binds `EngineCore.step_fn` once the same way). Every loop is made of
+the engine's public phases (llm_engine.py). `SyncStepLoop` below is the core's, one step at a
+time; the others live with their capability (async_sched/, spec_decode/; engine/build.py picks
+one). A loop may bring its own scheduler class (`scheduler_cls`, with `scheduler_kwargs`) and
+refuse requests it cannot serve (`check_request`).
 """
 from __future__ import annotations
 
@@ -30,9 +21,8 @@ class StepLoop:
     scheduler_cls: type[Scheduler] = Scheduler
 
     def __init__(self, engine):
-        # A weak reference: the engine holds its loop, so a strong one back would make a
-        # reference cycle, and a dropped engine must be freed without the cycle collector (the
-        # CUDA engine freezes the heap, see gpu_model_runner.freeze_gc_heap).
+        # Weak: a cycle with the engine would need the collector to free a dropped engine (CUDA
+        # freezes the heap, gpu_model_runner.freeze_gc_heap).
         self.engine = weakref.proxy(engine)
 
     @staticmethod

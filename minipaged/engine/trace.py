@@ -9,32 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
+from minipaged.engine.block_usage import BlockUsage, block_usage, blocks_saved_by_sharing
+
 
 # Reading a trace back (request timelines, tokens in the cache at step t) is the lessons' work:
 # minipaged/lessons/timeline.py.
-
-
-@dataclass
-class BlockUsage:
-    """A snapshot of the cache for the lessons' plots (lesson 01)."""
-
-    num_blocks: int
-    block_size: int
-    num_used_blocks: int  # ref_count > 0
-    num_cached_blocks: int  # ref_count == 0 but holding a reusable prefix
-    num_free_blocks: int  # ref_count == 0 and empty (cached blocks not included)
-    num_tokens_stored: int  # token slots in used blocks that hold a token (shared blocks once)
-    num_slots_allocated: int  # num_used_blocks * block_size
-
-    @property
-    def internal_fragmentation(self) -> int:
-        """Slots in used blocks that hold no token (the tail of each sequence's last block)."""
-        return self.num_slots_allocated - self.num_tokens_stored
-
-    @property
-    def token_state_share(self) -> float:
-        """Share of allocated KV slots that hold a token's state (vLLM paper, Fig. 2)."""
-        return self.num_tokens_stored / self.num_slots_allocated if self.num_slots_allocated else 1.0
 
 
 class ScheduledEntry(NamedTuple):
@@ -150,7 +129,7 @@ def step_record(engine, sched, finished: list[str], times: StepTimes,
         num_blocks_used=bm.num_blocks - bm.num_free_blocks,
         num_blocks_free=bm.num_free_blocks - cached, num_blocks_cached=cached,
         num_batched_tokens=sched.num_batched_tokens,
-        num_blocks_saved_by_sharing=bm.num_blocks_saved_by_sharing,
+        num_blocks_saved_by_sharing=blocks_saved_by_sharing(bm),
         num_cow_copies=len(sched.blocks_to_copy),
         num_prefix_query_tokens=num_prefix_query_tokens,
         num_prefix_hit_tokens=num_prefix_hit_tokens, wait_time=times.wait_time)
@@ -165,7 +144,7 @@ def step_record(engine, sched, finished: list[str], times: StepTimes,
                 - (s.seq.num_computed_tokens - s.num_new_tokens))
             for s in sched.scheduled if s.seq.recompute_until)
     if engine.config.record_block_tables:
-        record.usage = bm.usage()
+        record.usage = block_usage(bm)
         record.block_tables = {s.name: list(bm.block_tables[s.seq_id])
                                for s in engine.scheduler.running}
     return record

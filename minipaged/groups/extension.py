@@ -9,8 +9,11 @@ Attached to every engine (any request may ask for several sequences); while none
     rows_to_sample          a group's prompt, prefilled once, forks into its n samples when it
                             samples its first token; a beam's logits are set aside until every
                             live beam of its group has them (sampling.py)
-    after_sample            each beam search whose beams all have logits steps (HF's rules,
-                            beam_search.py): forks and frees blocks to match, emits its output
+    after_tokens            a group of n samples reports (streams, or ends with its last
+                            sample); each beam search whose beams all have logits steps (HF's
+                            rules, beam_search.py): forks and frees blocks to match, emits its
+                            output
+    abort                   every sample and beam of the request gives its blocks back
 """
 from __future__ import annotations
 
@@ -19,9 +22,10 @@ from typing import Callable, Optional
 
 import torch
 
+from minipaged.engine import failures
 from minipaged.engine.extensions import RequestExtension
 from minipaged.engine.processor import RequestError
-from minipaged.engine.sequence import Sequence
+from minipaged.engine.sequence import Sequence, SequenceStatus
 from minipaged.groups.beam_search import BeamSearchParams, BeamSearchState
 from minipaged.groups.group import SequenceGroup
 from minipaged.groups.sampling import beam_step, drop_beam_logits, split_groups
@@ -50,6 +54,7 @@ def check_group_fits(request_id: str, size: int, knob: str, max_len: int, config
 class GroupExtension(RequestExtension):
     def __init__(self, engine):
         self.groups: dict[str, SequenceGroup] = engine.groups  # the engine's, by request id
+        self.scheduler = engine.scheduler
         self.ready_beams: list[SequenceGroup] = []  # beam searches to step after this sample
 
     def prepare(self, engine, request_id: str, params, num_prompt_tokens: int
@@ -88,7 +93,10 @@ class GroupExtension(RequestExtension):
         logits, seqs, self.ready_beams = split_groups(logits, seqs, engine.scheduler)
         return logits, seqs
 
-    def after_sample(self, engine, outputs: list, finished: list[str]) -> None:
+    def after_tokens(self, engine, seqs: list[Sequence], outputs: list,
+                     finished: list[str]) -> None:
+        if self.groups:
+            self.report_samples(engine, seqs, outputs, finished)
         if not self.ready_beams:
             return
         ready, self.ready_beams = self.ready_beams, []
@@ -96,7 +104,28 @@ class GroupExtension(RequestExtension):
             try:
                 outputs += self.step_beams(engine, group, finished)
             except Exception as exc:  # this request's fault: it fails alone
-                engine.fail_request(engine.requests[group.request_id], exc, outputs, finished)
+                failures.fail_request(engine, engine.requests[group.request_id], exc, outputs,
+                                      finished)
+
+    def report_samples(self, engine, seqs: list[Sequence], outputs: list,
+                       finished: list[str]) -> None:
+        """The output of each group of n samples that got a token: the request's last once its
+        last sample has finished, else (streaming) what it has so far."""
+        touched = {s.request_id: s.group for s in seqs if s.group is not None}
+        out = engine.output_processor
+        for rid, group in touched.items():
+            if rid not in engine.requests:  # it failed this step
+                continue
+            try:
+                if group.is_finished:
+                    outputs.append(out.make_group_output(group, None))
+                    engine.requests.pop(rid, None)
+                    self.groups.pop(rid, None)
+                    finished.append(rid)
+                elif engine.stream_outputs:
+                    outputs.append(out.make_group_output(group, None))
+            except Exception as exc:
+                failures.fail_request(engine, group.seqs[0], exc, outputs, finished)
 
     def step_beams(self, engine, group: SequenceGroup, finished: list[str]) -> list:
         """One beam-search step of `group`; its output when it ends (or streams)."""
@@ -116,3 +145,9 @@ class GroupExtension(RequestExtension):
         self.groups.pop(group.request_id, None)
         group.seqs = []
         return [output]
+
+    def abort(self, request_id: str) -> None:
+        group = self.groups.pop(request_id, None)
+        for s in group.seqs if group is not None else []:
+            if not s.is_finished:  # every sample / beam gives its blocks back
+                self.scheduler.finish(s, SequenceStatus.FINISHED_ABORTED)

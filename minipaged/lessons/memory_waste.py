@@ -13,8 +13,9 @@ layer):
   - ``pow2``   the next power of two of the request's true length (Orca (Pow2));
   - ``oracle`` exactly the true length (Orca (Oracle): an allocator that knows the future);
 * ``paged``  minipaged's *real* `Scheduler` and `BlockManager` (not a formula): the trace is fed
-  to them and `BlockManager.usage()` is read after every step, exactly where `LLMEngine` records
-  its `StepRecord.usage`. Only the model forward is skipped, because memory does not depend on it.
+  to them and `block_usage` (engine/block_usage.py) is read after every step, exactly where
+  `LLMEngine` records its `StepRecord.usage`. Only the model forward is skipped, because memory
+  does not depend on it.
 
 A request with a prompt of p tokens that generates o tokens writes ``p + o - 1`` K/V entries over
 its life (the last sampled token is returned, never fed back); that is its *true length* here.
@@ -50,6 +51,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence as Seq
 
+from minipaged.engine.block_usage import block_usage
 from minipaged.simulator.admission import ContiguousAllocator, next_pow2
 from minipaged.simulator.admission import reservation as contiguous_reservation
 
@@ -259,7 +261,7 @@ def paged_step_usages(workload, num_blocks: int, block_size: int, *, max_model_l
     The loop is `LLMEngine.step()` without the model: schedule, mark the scheduled tokens
     computed and publish full blocks (`cache_full_blocks`), "sample" a placeholder token for
     every sequence that reached its last token, finish it at its output length, then read
-    `block_manager.usage()`: the same place the engine records `StepRecord.usage`. With
+    `block_usage(bm)`: the same place the engine records `StepRecord.usage`. With
     `ignore_eos` and fixed output lengths the engine's schedule does not depend on the sampled
     tokens, so this is the engine's memory state step for step (a test checks it).
 
@@ -297,13 +299,13 @@ def paged_step_usages(workload, num_blocks: int, block_size: int, *, max_model_l
         advance(sched, out, max_model_len)  # the engine's work after a forward, without one
         if on_step is not None:
             on_step(sched, out)
-        yield sched, bm.usage()
+        yield sched, block_usage(bm)
 
 
 def simulate_paged(workload, num_blocks: int, block_size: int, *, max_model_len: int = 2048,
                    max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                    enable_prefix_caching: bool = True) -> WasteResult:
-    """The paged strategy: categories from `BlockManager.usage()` after every step."""
+    """The paged strategy: categories from `block_usage` after every step."""
     steps: list[WasteStep] = []
     sched = None
     for sched, u in paged_step_usages(workload, num_blocks, block_size,

@@ -6,10 +6,9 @@
     SiluAndMul           SwiGLU's element-wise half: silu(gate) * up
 
 `llama.py` builds its layers from a `Layers` set and never asks which one it got. This file is
-the torch set (`TORCH_LAYERS`), the definition lessons 00 and 05 read and the parity tests run.
-`fused_layers.py` holds the same four layers as fused Triton kernels (vLLM's CustomOp idea: one
-layer, two implementations, chosen once when the model is built); `get_layers` (loader.py)
-picks the set.
+the torch set (`TORCH_LAYERS`), the definition lessons 00 and 05 read and the parity tests run;
+`fused_layers.py` the same layers as fused Triton kernels (vLLM's CustomOp idea), and
+`get_layers` (loader.py) picks one when the model is built.
 """
 from __future__ import annotations
 
@@ -44,9 +43,8 @@ class RMSNorm(nn.Module):
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype in (torch.float32, torch.float64) or x.is_cuda:
-            # One fused op. In fp32/fp64 it is bit-identical to the lines below; in bf16/fp16 it
-            # keeps the normalised value in fp32 until after the weight (HF rounds it first), a
-            # rounding-level difference that saves five kernels per norm on the GPU.
+            # One fused op: bit-identical to the lines below in fp32/fp64; in bf16/fp16 it rounds
+            # after the weight (HF before), which saves five kernels per norm on the GPU.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()

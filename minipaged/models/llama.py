@@ -15,9 +15,8 @@ stacks HF's separate weights into them. Also like vLLM, the residual stream is t
 the layers beside the hidden states: a layer returns `(hidden, residual)` and the next norm adds
 them (`RMSNorm.forward(x, residual)`), so that on the GPU the add fuses into the norm.
 
-The element-wise layers (norms, RoPE + K/V store, SiLU-and-multiply) come from a `Layers` set
-(layers.py): plain torch, or the same layers as fused Triton kernels (fused_layers.py), chosen
-once when the model is built. Nothing below depends on which.
+The element-wise layers come from a `Layers` set (layers.py: torch, or fused Triton kernels),
+chosen once when the model is built; nothing below depends on which.
 """
 from __future__ import annotations
 

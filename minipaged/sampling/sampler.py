@@ -12,10 +12,6 @@ draws its E from its own generator, so its tokens do not depend on what else is 
 with `n > 1` sample i uses `seed + i` (vLLM's rule), so the samples differ but replay exactly.
 Greedy rows (temperature 0) take argmax of the processed logits. On CUDA the engine builds a
 `KernelSampler` instead (kernel_sampler.py): plain temperature rows drawn by fused Triton kernels.
-
-Build it yourself (lesson 04): `minipaged exercise start sampler` hands you
-`apply_top_k_top_p_min_p` and `Sampler._sample` to write; `minipaged exercise check sampler`
-grades them.
 """
 from __future__ import annotations
 
@@ -30,9 +26,8 @@ from minipaged.utils import to_device
 
 
 class SamplingRow(Protocol):
-    """What the sampler reads of one row: its params, its tokens so far (penalties, min_tokens)
-    and its own generator (a seeded row). The engine passes its `Sequence`s, which have these
-    fields; the sampler knows nothing else of them (vLLM passes the same as `SamplingMetadata`)."""
+    """What the sampler reads of one row (the engine passes its `Sequence`s and the sampler
+    knows nothing else of them; vLLM passes the same as `SamplingMetadata`)."""
 
     sampling_params: SamplingParams
     token_ids: list[int]  # prompt + output
@@ -103,9 +98,7 @@ class Sampler:
         GPU (async scheduling reads the tokens a step later); logprobs need `__call__`."""
         logits = self.penalize(logits.float(), seqs)  # the torch path computes in fp32
         if all(s.sampling_params.greedy for s in seqs):
-            # argmax: max also returns the first maximum's index, and its CPU kernel is 2.4x
-            # faster at 64 rows x 512 (20 vs 49 us)
-            return logits.max(dim=-1).indices
+            return logits.max(dim=-1).indices  # argmax's first index; faster than argmax on CPU
         return self._sample(logits, seqs)
 
     def penalize(self, logits: torch.Tensor, seqs: Rows) -> torch.Tensor:

@@ -16,7 +16,7 @@ scheduler and calls the engine's public phases. One step:
                    proposals along, so it reads the GPU once)
     rollback       num_computed_tokens = the accepted length: the K/V of rejected proposals
                    are garbage that the next step overwrites; blocks that hold only rejected
-                   slots go back to the free queue (`BlockManager.free_trailing_blocks`).
+                   slots go back to the free queue (`BlockManager.truncate`).
                    Prefix-cache hashing only ever covers computed, accepted tokens.
     emit           accepted tokens + the bonus / corrected token, one by one through the
                    engine's stop checks, so max_tokens, stop tokens and stop strings cut the
@@ -205,7 +205,7 @@ class SpecDecodeStepLoop(StepLoop):
                                SamplerOutput(token_ids=[t for _, t in rows]), outputs, finished)
         for s in entries:
             if s.spec_token_ids and s.seq.status is SequenceStatus.RUNNING:
-                bm.free_trailing_blocks(s.seq)  # blocks holding only rejected slots
+                bm.truncate(s.seq, s.seq.num_computed_tokens)  # blocks of rejected slots only
                 bm.cache_full_blocks(s.seq)  # blocks the accepted proposals filled
         return [a for s, a in zip(entries, accepted) if s.spec_token_ids]
 

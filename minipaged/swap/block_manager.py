@@ -89,8 +89,3 @@ class SwapBlockManager(BlockManager):
             self.cpu_allocator.decref(self.cpu_allocator.blocks[b])
         del self.num_slots[seq.seq_id]
         del self._hashes[seq.seq_id]
-
-    def check_invariants(self, live_seq_ids=None) -> None:
-        super().check_invariants(live_seq_ids)
-        if self.cpu_allocator is not None:
-            self.cpu_allocator.check_invariants(self.cpu_block_tables.values(), "CPU block")

@@ -8,7 +8,7 @@ A graph replays the *same* kernels on the *same* memory, so every input lives in
 sized for the largest batch, and a step of `b` sequences uses the smallest captured batch size
 `>= b`; the rows beyond `b` are padding (slot -1: nothing stored; context length 0: nothing
 read), computed and ignored. Prefill and mixed steps have shapes that change every step and run
-eagerly. Only backends whose `forward` never reads device tensors back on the host (the Triton
+eagerly. Only backends whose attention never reads device tensors back on the host (the Triton
 backend) can be captured; the split-KV factor is fixed per captured batch size, chosen for
 `max_model_len`, so every replay launches the same grid.
 

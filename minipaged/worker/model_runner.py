@@ -13,12 +13,8 @@ nothing cached) and B (decode, 5 tokens already cached), block_size 4:
 These go into an `AttentionMetadata` that is passed explicitly to every layer. Only the rows of
 sequences that reach their last known token are turned into logits (a partial prefill chunk
 samples nothing); a speculating sequence (spec_decode/) gets one at every position it verifies.
-Everything the runner needs comes in the `SchedulerOutput`, block tables included: the worker
-never reads the block manager.
-
-On CUDA `gpu_model_runner.py` builds the same tensors in a GPU-friendly way (ordered, packed,
-padded) and replays decode steps from CUDA graphs; `make_model_runner` (worker/__init__.py)
-chooses which runner an engine gets, once.
+Everything comes in the `SchedulerOutput`, block tables included: the worker never reads the
+block manager. The CPU's and the GPU's runners build the same tensors faster (worker/__init__.py).
 """
 from __future__ import annotations
 

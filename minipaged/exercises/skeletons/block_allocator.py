@@ -8,7 +8,7 @@ and your prefix-cache index. Grade them with
     minipaged exercise check block_allocator
 
 Needs: nothing, this is the bottom of the engine. What the allocator keeps (its `__init__` and
-the methods you do not write, `uncache`, `_drop_hash` and `check_invariants`, are given):
+the methods you do not write, `uncache` and `_drop_hash`, are given):
 
     self.blocks             one `Block(block_id, ref_count, block_hash, token_ids, extra_key)`
                             per physical block

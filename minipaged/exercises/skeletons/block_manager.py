@@ -39,10 +39,12 @@ from minipaged.engine.sequence import Sequence
 
 def get_computed_blocks(self, seq: Sequence) -> tuple[list[Block], int]:
     """Longest cached prefix of `seq` in whole blocks: (blocks, number of tokens they hold).
+    At least one token is left to compute: its logits sample the next (vLLM does the same).
+    Nothing for a sequence that computes every token (`skip_reading_prefix_cache`).
 
-    At least one token is always left to compute, because the engine needs the logits of
-    the last token to sample the next one (vLLM does the same). Nothing for a sequence that
-    computes every token (`skip_reading_prefix_cache`: prompt logprobs need them all).
+    That is: only blocks inside `token_ids[:-1]` can be hits, since the engine needs the logits
+    of the last token to sample the next one; `skip_reading_prefix_cache` is set for a request
+    whose prompt logprobs need every token computed.
     """
     # Nothing with prefix caching off or seq.skip_reading_prefix_cache set. Walk seq.token_ids
     # block by block, chaining hash_block(parent, chunk, key); stop at the first miss of
@@ -111,10 +113,11 @@ def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> list[tuple[int
 
 
 def free(self, seq: Sequence) -> None:
-    """Drop the sequence's references; tail blocks first, so they are evicted first.
+    """Drop the sequence's references, tail blocks first (evicted first). Full blocks not yet
+    published go to the prefix cache first (a step loop may read the last token late).
 
-    Full blocks not yet published go to the prefix cache first: a step loop that reads
-    tokens a step late knows a sequence's last computed token only as it finishes it."""
+    A step loop that reads tokens a step late knows a sequence's last computed token only as it
+    finishes it, so its last full blocks are published here."""
     # A sequence without a table: nothing to do (freeing twice is fine). Otherwise publish its
     # full blocks, and unpublish those a step it leaves before running had published (both:
     # `self.cache_full_blocks(seq)`, while its table is still there), then drop its table,

@@ -35,14 +35,14 @@ from minipaged.engine.sequence import Sequence, SequenceStatus  # noqa: F401
 
 
 def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-    """Steps 1 and 2: plan the running sequences' tokens; returns the budget left.
+    """Steps 1 and 2: decodes, then prefill chunks, in `running` order until the budget is
+    spent; returns the budget left. A sequence the cache has no room for preempts the last
+    admitted (`_preempt_last`) until it fits, or until it was the victim itself.
 
-    Decodes first (1 token each), then unfinished prefill chunks (as many tokens as they have
-    left and the budget holds), each in `self.running` order, until the budget is spent. A
-    sequence the cache has no room for (`can_append`) preempts the most recently admitted
-    running sequence (`_preempt_last`, which may return budget a victim had been planned
-    for) until it fits, or until it was the victim itself. Each plan goes to `out.scheduled`
-    and its copy-on-write pairs (`append_slots`) to `out.blocks_to_copy`.
+    Decodes take 1 token each, unfinished prefill chunks as many tokens as they have left and
+    the budget holds. `can_append` says whether the cache has room; `_preempt_last` may return
+    budget a victim had been planned for. Each plan goes to `out.scheduled` and its
+    copy-on-write pairs (`append_slots`) to `out.blocks_to_copy`.
     """
     # For each sequence: n = min(tokens to compute, budget) (skip it when n is 0); while the
     # block manager cannot append n, preempt; if it is still running, append its slots, add a

@@ -43,10 +43,11 @@ def step(self) -> list:
 
 
 def update_computed(self, sched: SchedulerOutput) -> list[Sequence]:
-    """Phase 3: the forward has written the step's K/V: count them computed (the full
-    blocks they fill were published when the scheduler allocated their slots: now they are
-    computed; `cache_full_blocks` publishes those whose tokens were not known then);
-    returns the sequences that sample, in step order."""
+    """Phase 3: the forward has written the step's K/V: count them computed, publish the
+    full blocks not published at allocation; returns the sequences that sample, in order.
+
+    The full blocks a step fills were published when the scheduler allocated their slots: now
+    they are computed; `cache_full_blocks` publishes those whose tokens were not known then."""
     raise NotImplementedError("exercise: write LLMEngine.update_computed")
 
 
