@@ -37,13 +37,7 @@ def vllm_engine(model: str, max_model_len: int):
               "compilation_mode": str(cfg.compilation_config.mode),
               "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode),
               "gpu_memory_utilization": cfg.cache_config.gpu_memory_utilization}
-
-    def generate(prompts, max_tokens):
-        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m)
-                  for m in max_tokens]
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outs)
-    return generate, config
+    return sampler(llm, SamplingParams, lambda p: {"prompt_token_ids": p}), config
 
 
 def minipaged_engine(model: str, max_model_len: int):
@@ -57,13 +51,18 @@ def minipaged_engine(model: str, max_model_len: int):
               "enforce_eager": cfg.enforce_eager, "async_scheduling": cfg.async_scheduling,
               "fused_ops": cfg.fused_ops, "attention_backend": cfg.attention_backend,
               "gpu_memory_utilization": cfg.gpu_memory_utilization}
+    return sampler(llm, SamplingParams, lambda p: p), config
 
+
+def sampler(llm, sampling_params_cls, prompt):
+    """`generate(prompts, max_tokens) -> output tokens` for either engine: both take a list of
+    prompts (`prompt` turns token ids into the engine's form) with one SamplingParams each."""
     def generate(prompts, max_tokens):
-        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m)
+        params = [sampling_params_cls(temperature=0.6, ignore_eos=True, max_tokens=m)
                   for m in max_tokens]
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate([prompt(p) for p in prompts], params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs)
-    return generate, config
+    return generate
 
 
 def _sync() -> None:

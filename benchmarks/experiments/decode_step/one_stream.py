@@ -19,6 +19,7 @@ import argparse
 import json
 import re
 import statistics
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -100,7 +101,7 @@ def main(argv=None) -> None:
     step_ms = statistics.median(wall) * 1e3
     result = {
         "command": "python benchmarks/experiments/decode_step/one_stream.py "
-                   + " ".join(argv if argv is not None else []),
+                   + " ".join(sys.argv[1:] if argv is None else argv),
         "model": a.model, "device": a.device, "environment": environment(),
         "config": {k: getattr(eng.config, k) for k in (
             "block_size", "max_num_batched_tokens", "enforce_eager", "async_scheduling",
