@@ -118,7 +118,7 @@ def main(argv=None) -> None:
             order = ("vllm", "minipaged") if r % 2 == 0 else ("minipaged", "vllm")
             sides = {}
             for engine in order:
-                target = (str(Path(a.vllm_models) / f"{model}-dummy") if engine == "vllm"
+                target = (str(Path(a.vllm_models).resolve() / f"{model}-dummy") if engine == "vllm"
                           else f"dummy:{model}")
                 sides[engine] = run_side(engine, target, wl_file, a.vllm_env, a.python)
             rounds.append(dict(order=list(order), **sides))

@@ -165,8 +165,9 @@ def test_prompt_logprobs_on_gpu_equal_hf(async_scheduling):
     for out in outs[::2]:
         check_against_hf(out, hf, 4)
     assert all(o.prompt_logprobs is None for o in outs[1::2])
-    assert [o.outputs[0].token_ids for o in outs] == _greedy_hf(
-        load_hf_model(str(resolve_builtin("stories260K")), torch.float32, "cuda"), prompts, 16)
+    assert [o.outputs[0].token_ids for o in outs] == _greedy_hf(  # the ids the engine ran
+        load_hf_model(str(resolve_builtin("stories260K")), torch.float32, "cuda"),
+        [o.prompt_token_ids for o in outs], 16)
 
 
 def test_async_scheduling_equals_sync_on_gpu(tmp_path):

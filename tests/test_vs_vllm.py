@@ -56,3 +56,19 @@ def test_summary_pairs_each_rounds_sides():
               {"vllm": side(100.0), "minipaged": side(105.0)}]
     s = vs_vllm.summarize(rounds, ["nanovllm"])["nanovllm"]
     assert s["paired_ratios"] == [1.1, 0.9, 1.05] and s["median_ratio"] == 1.05
+
+
+def test_vllm_side_gets_an_absolute_model_folder(tmp_path, monkeypatch):
+    """vLLM's side runs from a clean working directory, so a relative --vllm-models must reach
+    it resolved (a relative one made vLLM read the folder name as a Hub repo id)."""
+    seen = []
+
+    def fake_side(engine, model, wl_file, vllm_env, python):
+        seen.append((engine, model))
+        return {"results": {"one_stream": {"tok_per_s": 1.0, "ms_per_token": 1.0}}}
+    monkeypatch.setattr(vs_vllm, "run_side", fake_side)
+    monkeypatch.chdir(tmp_path)
+    vs_vllm.main(["--vllm-env", "env.sh", "--vllm-models", "peer", "--models", "qwen3-0.6b",
+                  "--workloads", "one_stream", "--rounds", "1", "--out", str(tmp_path / "o.json")])
+    assert ("vllm", str(tmp_path / "peer" / "qwen3-0.6b-dummy")) in seen
+    assert ("minipaged", "dummy:qwen3-0.6b") in seen

@@ -1,0 +1,84 @@
+"""A/B of two checkouts' packages under any benchmark script that writes JSON, in one run.
+
+    python benchmarks/ab_script.py --a OLD_DIR --b . --rounds 3 --out FILE.json \
+        --metric 'results/all constrained/tokens_per_sec' [--label-a a316e22 --label-b HEAD] \
+        -- benchmarks/structured_outputs.py --model dummy:qwen3-0.6b --device cuda \
+           --dtype bfloat16 --synthetic-vocab --runs 3
+
+Each side is a folder holding a `minipaged` package (this checkout, or another revision's
+`git archive REV minipaged | tar -x -C DIR`). The script after `--` is this checkout's and runs
+unchanged on both sides; only the package it imports differs (the side's folder comes first on
+PYTHONPATH). Every run is a fresh process given `--out` with a file of its own; `--metric` is a
+path of keys into that JSON, `/`-separated (higher is better, e.g. tokens/s). Sides alternate A, B,
+B, A, A, B, ... like `ab_engine.py`, and the summary is the median over rounds of each round's
+B / A ratio, beside each side's median. Repeat `--metric` to report several.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+
+def lookup(data: dict, path: str) -> float:
+    for key in path.split("/"):
+        data = data[key]
+    return float(data)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--a", required=True), ap.add_argument("--b", required=True)
+    ap.add_argument("--label-a", default="A"), ap.add_argument("--label-b", default="B")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--metric", action="append", required=True,
+                    help="a '/'-separated key path into the script's JSON; repeatable")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS]")
+    a = ap.parse_args()
+    script = a.script[1:] if a.script[:1] == ["--"] else a.script
+    if not script:
+        ap.error("give the benchmark script after --")
+    runs = {"a": [], "b": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(a.rounds):
+            for side in (("a", "b") if r % 2 == 0 else ("b", "a")):
+                path = os.path.join(tmp, f"{side}{r}.json")
+                env = dict(os.environ)
+                env["PYTHONPATH"] = os.pathsep.join(
+                    [os.path.abspath(getattr(a, side))] + [p for p in
+                                                           env.get("PYTHONPATH", "").split(os.pathsep) if p])
+                subprocess.run([sys.executable] + script + ["--out", path], env=env, check=True)
+                result = json.load(open(path))
+                runs[side].append({m: lookup(result, m) for m in a.metric} | {"json": result})
+                print(f"round {r} {getattr(a, 'label_' + side)}: "
+                      + ", ".join(f"{m} {runs[side][-1][m]:,.1f}" for m in a.metric), flush=True)
+    metrics = {}
+    for m in a.metric:
+        values = {s: [x[m] for x in runs[s]] for s in "ab"}
+        paired = [b / a_ for a_, b in zip(values["a"], values["b"])]
+        metrics[m] = {"a": values["a"], "b": values["b"],
+                      "a_median": statistics.median(values["a"]),
+                      "b_median": statistics.median(values["b"]),
+                      "b_over_a_per_round": [round(x, 4) for x in paired],
+                      "b_over_a_paired_median": round(statistics.median(paired), 4)}
+        print(f"{m}: {a.label_a} median {metrics[m]['a_median']:,.1f}, {a.label_b} median "
+              f"{metrics[m]['b_median']:,.1f}; B/A paired median "
+              f"{metrics[m]['b_over_a_paired_median']:.4f} (per round {metrics[m]['b_over_a_per_round']})")
+    summary = {"benchmark": "ab_script",
+               "command": "python benchmarks/ab_script.py --a A --b B "
+                          f"--rounds {a.rounds} -- " + " ".join(script),
+               "order": "A, B, then B, A, ... (alternating by round)",
+               "a": {"label": a.label_a}, "b": {"label": a.label_b},
+               "metrics": metrics, "runs": {s: [x["json"] for x in runs[s]] for s in "ab"}}
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
