@@ -1,4 +1,5 @@
-"""The layers of `layers.py` as fused Triton kernels (`triton_ops.py`): the CUDA default.
+"""The layers of `layers.py` as fused Triton kernels (`triton_ops.py`, `triton_gemv.py`): the
+CUDA default.
 
 Each class is its torch layer with `forward` replaced; weights, names and results are the same
 (to rounding), so a checkpoint loads into either and the parity tests compare them. A decoder
@@ -7,13 +8,19 @@ layer then runs
     fused_add_rms_norm -> qkv GEMM -> qkv_rope_store -> backend.attend -> o_proj GEMM
     -> fused_add_rms_norm -> gate_up GEMM -> silu_and_mul -> down GEMM
 
+where each GEMM is `FusedLinear`: `skinny_linear` (a GEMV kernel) for steps of at most
+SKINNY_MAX_ROWS tokens, cuBLAS (`F.linear`) for larger ones.
+
 `EngineConfig.resolve` turns them on for CUDA with the Triton backend (`fused_ops`); lesson 08
 measures what they save.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
+import minipaged.models.triton_gemv as triton_gemv
 import minipaged.models.triton_ops as triton_ops
 from minipaged.attention import AttentionMetadata
 from minipaged.models.layers import Layers, QKVRopeStore, RMSNorm, RotaryEmbedding, SiluAndMul
@@ -51,5 +58,19 @@ class FusedSiluAndMul(SiluAndMul):
         return triton_ops.silu_and_mul(x)  # one kernel replaces chunk, silu and the multiply
 
 
+class FusedLinear(nn.Linear):
+    """nn.Linear whose product, for a step of at most SKINNY_MAX_ROWS tokens (one-stream and
+    small-batch decode), is `skinny_linear`: cuBLAS picks tiles for 16 or more rows and reads a
+    one-token layer's weight well below the memory bandwidth. The choice depends on shapes and
+    dtypes only, so a CUDA graph captures one path per batch size."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.dim() == 2 and 0 < x.shape[0] <= triton_gemv.SKINNY_MAX_ROWS
+                and x.dtype == self.weight.dtype and x.dtype in triton_gemv.SKINNY_DTYPES
+                and self.weight.stride(1) == 1):
+            return triton_gemv.skinny_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
 FUSED_LAYERS = Layers("fused", FusedRMSNorm, FusedRotaryEmbedding, FusedQKVRopeStore,
-                      FusedSiluAndMul)
+                      FusedSiluAndMul, FusedLinear)

@@ -1,4 +1,4 @@
-"""The element-wise layers between a decoder layer's matrix multiplies, in plain torch.
+"""The layers a decoder layer is built from, in plain torch (its projections: `nn.Linear`):
 
     RMSNorm              y = x / sqrt(mean(x^2) + eps) * weight; with a residual, adds it first
     RotaryEmbedding      the fp32 cos/sin table, and the step's rows of it
@@ -152,7 +152,8 @@ class Layers:
     rotary_embedding: type
     qkv_rope_store: type
     silu_and_mul: type
+    linear: type  # qkv_proj, o_proj, gate_up_proj, down_proj (not the LM head)
 
 
-TORCH_LAYERS = Layers("torch", RMSNorm, RotaryEmbedding, QKVRopeStore, SiluAndMul)
+TORCH_LAYERS = Layers("torch", RMSNorm, RotaryEmbedding, QKVRopeStore, SiluAndMul, nn.Linear)
 

@@ -15,8 +15,8 @@ stacks HF's separate weights into them. Also like vLLM, the residual stream is t
 the layers beside the hidden states: a layer returns `(hidden, residual)` and the next norm adds
 them (`RMSNorm.forward(x, residual)`), so that on the GPU the add fuses into the norm.
 
-The element-wise layers come from a `Layers` set (layers.py: torch, or fused Triton kernels),
-chosen once when the model is built; nothing below depends on which.
+The element-wise and linear layers come from a `Layers` set (layers.py: torch, or fused Triton
+kernels), chosen once when the model is built; nothing below depends on which.
 """
 from __future__ import annotations
 
@@ -38,28 +38,27 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         kv_size = cfg.num_key_value_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = layers.linear(cfg.hidden_size, self.q_size + 2 * kv_size, bias=cfg.attention_bias)
+        self.o_proj = layers.linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.qkv_rope_store = layers.qkv_rope_store(cfg, backend)
         self.backend = backend
 
     def forward(self, rope, hidden, kv_cache, attn_metadata: AttentionMetadata):
-        n = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # (num_tokens, (heads + 2 * kv_heads) * head_dim)
         # q/k norm, RoPE, and this step's K/V written into the cache; q comes back
         q = self.qkv_rope_store(qkv, rope, self.q_norm, self.k_norm, kv_cache, attn_metadata)
         # attention over the cache, which now holds this step's keys too
         out = self.backend.attend(q, kv_cache[0], kv_cache[1], attn_metadata, self.scale)
-        return self.o_proj(out.reshape(n, self.q_size))  # (num_tokens, hidden)
+        return self.o_proj(out.flatten(1))  # (num_tokens, heads * head_dim) -> (num_tokens, hidden)
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, layers: Layers):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = layers.linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = layers.linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act_fn = layers.silu_and_mul()  # SwiGLU
 
     def forward(self, x):
