@@ -1,5 +1,5 @@
-"""The stacked shrink (minipaged/lora/layers.py, triton_punica.py): around a plain nn.Linear the
-slots' A sit under the base weight in one tensor, so on CUDA one GEMM gives the base output and
+"""The stacked shrink (minipaged/lora/layers.py, triton_punica.py): around a plain nn.Linear (or
+the fused layers' FusedLinear) the slots' A sit under the base weight in one tensor, so on CUDA one GEMM gives the base output and
 every slot's shrink, and one expand kernel adds each token's delta. Checked against the torch
 reference (punica.py) under the Triton interpreter on the CPU (the same source runs on CUDA;
 tests/test_gpu.py runs the engine there)."""
@@ -14,7 +14,7 @@ from torch import nn
 
 from minipaged import LLM, LoRARequest, SamplingParams
 from minipaged.lora import punica
-from minipaged.lora.layers import LoRALinear
+from minipaged.lora.layers import LoRALinear, stackable
 from minipaged.lora.punica import PunicaWrapper
 from minipaged.lora.triton_punica import TritonPunicaWrapper
 from minipaged.lora.random_adapter import save_random_adapter
@@ -29,9 +29,19 @@ def _needs_kernels():
         pytest.skip("no GPU and TRITON_INTERPRET is not set")
 
 
-def _layer(slices, k, max_loras, rank, bias, wrapper_cls, seed):
+def _fused_linear():
+    """FusedLinear (its module imports Triton kernels: only where they can run)."""
+    _needs_kernels()
+    from minipaged.models.fused_layers import FusedLinear
+    return FusedLinear
+
+
+BASES = [pytest.param(lambda: nn.Linear, id="nn.Linear"), pytest.param(_fused_linear, id="FusedLinear")]
+
+
+def _layer(slices, k, max_loras, rank, bias, wrapper_cls, seed, base_cls=nn.Linear):
     g = torch.Generator().manual_seed(seed)
-    base = nn.Linear(k, sum(slices), bias=bias)
+    base = base_cls(k, sum(slices), bias=bias)
     with torch.no_grad():
         base.weight.copy_(torch.randn(sum(slices), k, generator=g) * 0.1)
         if bias:
@@ -47,8 +57,9 @@ def _layer(slices, k, max_loras, rank, bias, wrapper_cls, seed):
     return layer, wrapper, g
 
 
-def test_the_base_weight_is_a_view_of_the_stacked_tensor():
-    layer, _, g = _layer([24, 8, 8], 32, 3, 4, True, PunicaWrapper, seed=0)
+@pytest.mark.parametrize("base_cls", BASES)
+def test_the_base_weight_is_a_view_of_the_stacked_tensor(base_cls):
+    layer, _, g = _layer([24, 8, 8], 32, 3, 4, True, PunicaWrapper, seed=0, base_cls=base_cls())
     w = layer.base_layer.weight
     assert w.data_ptr() == layer.w_cat.data_ptr() and layer.w_cat.shape == (40 + 3 * 12, 32)
     assert layer.lora_a.data_ptr() == layer.w_cat[40:].data_ptr()  # the slots live under it
@@ -59,13 +70,24 @@ def test_the_base_weight_is_a_view_of_the_stacked_tensor():
     torch.testing.assert_close(layer.base_layer(x), x @ w.T + layer.base_layer.bias)
 
 
+def test_only_layers_computing_x_w_plus_b_are_stacked():
+    class AllReduced(nn.Linear):  # like RowParallelLinear: more than x W^T + b after the GEMM
+        pass
+
+    assert stackable(nn.Linear(4, 4)) and not stackable(AllReduced(4, 4))
+    assert stackable(_fused_linear()(4, 4)) and not stackable(nn.Identity())
+
+
 @IGNORE_INTERPRETER_WARNINGS
-@pytest.mark.parametrize("num_tokens,max_loras,bias", [(1, 1, False), (19, 3, True),
-                                                       (70, 4, False)])
-def test_stacked_layer_equals_the_reference(num_tokens, max_loras, bias):
+@pytest.mark.parametrize("base_cls", BASES)
+@pytest.mark.parametrize("num_tokens,max_loras,bias", [(1, 1, False), (3, 2, True),
+                                                       (19, 3, True), (70, 4, False)])
+def test_stacked_layer_equals_the_reference(num_tokens, max_loras, bias, base_cls):
+    """With a FusedLinear base, steps of <= SKINNY_MAX_ROWS tokens without adapters run its
+    GEMV kernel; with adapters, the stacked GEMM."""
     _needs_kernels()
     layer, wrapper, g = _layer([24, 8, 8], 48, max_loras, 8, bias, TritonPunicaWrapper,
-                               seed=num_tokens)
+                               seed=num_tokens, base_cls=base_cls())
     x = torch.randn(num_tokens, 48, generator=g)
     token_lora = torch.randint(-1, max_loras, (num_tokens,), generator=g)
     token_lora[0] = 0  # at least one token with an adapter

@@ -13,7 +13,8 @@ With `enable_lora` the manager (manager.py) swaps each decoder layer's `qkv_proj
 stacked layer adds exactly what PEFT adds to each of its HF modules. An adapter with a smaller
 rank, or without some module, leaves zeros, which add nothing.
 
-Around a plain `nn.Linear` the slots' A live in one tensor with the base weight (`w_cat`):
+Around a plain `nn.Linear` (or the fused layers' `FusedLinear`, the same product) the slots' A
+live in one tensor with the base weight (`w_cat`):
 
     w_cat   (out + max_loras * n, in)     rows :out = the base layer's weight (its parameter is
                                           a view of them), then lora_a's slots, one after another
@@ -21,6 +22,9 @@ Around a plain `nn.Linear` the slots' A live in one tensor with the base weight 
 so on CUDA one GEMM gives the base output and every slot's shrink at once, and only the expand
 is left to a LoRA kernel (triton_punica.py's TritonPunicaWrapper.forward): a decode step
 launches one small kernel per wrapped layer instead of two, for a GEMM a few percent wider.
+That GEMM is `F.linear` whatever the base class; a step without adapter tokens calls the base
+layer itself (a `FusedLinear`'s GEMV kernel for a few tokens). Other layers (fp8) keep their
+own A tensor.
 """
 from __future__ import annotations
 
@@ -28,6 +32,17 @@ import torch
 from torch import nn
 
 from minipaged.lora.punica import PunicaWrapper
+
+
+def stackable(layer: nn.Module) -> bool:
+    """Is `layer` x W^T + b and nothing more, so that W can be a view of `w_cat`? nn.Linear and
+    FusedLinear (its GEMV kernel computes the same product) are; fp8 layers are not."""
+    if type(layer) is nn.Linear:
+        return True
+    if not isinstance(layer, nn.Linear):
+        return False
+    from minipaged.models.fused_layers import FusedLinear  # imported already if the model has one
+    return type(layer) is FusedLinear
 
 
 class LoRALinear(nn.Module):
@@ -43,7 +58,7 @@ class LoRALinear(nn.Module):
         out = sum(slice_sizes)
         w_cat = b_cat = None
         weight = getattr(base_layer, "weight", None)
-        if (type(base_layer) is nn.Linear and weight.dtype == dtype
+        if (stackable(base_layer) and weight.dtype == dtype
                 and tuple(weight.shape) == (out, in_features)):
             w_cat = torch.zeros(out + max_loras * n, in_features, dtype=dtype, device=device)
             w_cat[:out].copy_(weight)
