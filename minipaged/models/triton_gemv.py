@@ -3,12 +3,13 @@
 A decode step multiplies one token per sequence, so with a few sequences running, each linear
 layer is a matrix-vector product: x (M, K) with M = 1..4 against the weight W (N, K). Every weight
 is read once and used M times, so the layer costs what reading W costs: Qwen3-0.6B's gate_up_proj
-is 12.6 MB of bf16, 2.6 µs at the H200's 4.8 TB/s. cuBLAS picks its kernels for M >= 16 tiles and
-reads these weights well below that bandwidth; lesson 08 (notebooks/08_benchmark.ipynb) shows
-where a one-stream decode step goes. `skinny_linear` is the product written as what it is: each
-program streams a block of W's rows along K, multiplies by the M rows of x broadcast over it, and
-sums over K with `tl.sum` (`tl.dot` needs M >= 16 on the GPU). `FusedLinear` (fused_layers.py)
-calls it for M <= SKINNY_MAX_ROWS and `F.linear` otherwise.
+is 12.6 MB of bf16, 2.6 µs at the H200's 4.8 TB/s. In the one-stream profile
+(benchmarks/experiments/decode_step/one_stream_h200.json) matrix multiplies were 910 of a step's
+1,375 µs of GPU time, the largest per layer a 12.5 µs cuBLAS kernel; lesson 08
+(notebooks/08_benchmark.ipynb) explains the fused layers this kernel joins. `skinny_linear` is
+the product written as what it is: each program streams a block of W's rows along K, multiplies
+by the M rows of x broadcast over it, and sums over K with `tl.sum` (`tl.dot` needs M >= 16 on
+the GPU). `FusedLinear` (fused_layers.py) calls it for M <= SKINNY_MAX_ROWS, `F.linear` otherwise.
 
     skinny_linear(x, weight, bias=None, config=None) -> out
         x (M, K), 1 <= M <= SKINNY_MAX_ROWS; weight (N, K), rows contiguous (nn.Linear's layout);
@@ -23,11 +24,11 @@ The launch (`skinny_config`), chosen from the weight's shape and the GPU's size 
                PROGRAMS_PER_SM programs per SM: a GEMV has no data reuse to hide memory latency
                behind, only many loads in flight, so every SM needs programs of its own; N = 1024
                (o_proj, down_proj of Qwen3-0.6B) gets BLOCK_N = 2, 512 programs on 132 SMs
-    BLOCK_K    fills a tile of TILE_ELEMENTS weights per loop iteration (8 KB of bf16, 32 values
-               per thread in 16-byte loads along K, each row's chunk a run of whole 128-byte
-               lines) without passing K's next power of two: the more bytes a program asks for at
-               once, the fewer round trips to memory
-    num_warps  TILE_ELEMENTS / 32 values per thread, so a smaller tile gets fewer warps
+    BLOCK_K    fills a tile of TILE_ELEMENTS weights per loop iteration (8 KB of bf16: four
+               16-byte loads along K per thread, each row's chunk at least MIN_BLOCK_K = 128
+               contiguous values) without passing K's next power of two: the more bytes a
+               program asks for at once, the fewer round trips to memory
+    num_warps  one per 1,024 weights of the tile (32 per thread), at most 4
 
 Determinism: the config depends on (N, K) and the SM count only, never on M or on timings (no
 autotune), and each output is one program's fixed-order sum (no split-K, no atomics), so a
