@@ -32,11 +32,14 @@ The launch (`skinny_config`), chosen from the weight's shape and the GPU's size 
 
 Determinism: the config depends on (N, K) and the SM count only, never on M or on timings (no
 autotune), and each output is one program's fixed-order sum (no split-K, no atomics), so a
-layer's result is the same on every run. All math is fp32 (`.to(tl.float32)` on every load: the
-CPU interpreter mishandles bf16 arithmetic), rounded once to x's dtype; launch shapes come from
-tensor shapes only (never `.item()`), so CUDA graphs capture it. On the CPU it runs under
-TRITON_INTERPRET=1, set before this module is imported; `tests/test_triton_gemv.py` checks it
-against F.linear in float64.
+layer's result is the same on every run. Each row of x has its own accumulator, filled and
+summed in the same order whatever M is, so a row's result does not depend on the others: a
+decode step of 3 sequences gives the same bits eager and from the CUDA graph of 4.
+
+All math is fp32 (`.to(tl.float32)` on every load: the CPU interpreter mishandles bf16
+arithmetic), rounded once to x's dtype; launch shapes come from tensor shapes only (never
+`.item()`), so CUDA graphs capture it. On the CPU it runs under TRITON_INTERPRET=1, set before
+this module is imported; `tests/test_triton_gemv.py` checks it against F.linear in float64.
 """
 from __future__ import annotations
 
