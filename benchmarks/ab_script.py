@@ -11,7 +11,12 @@ unchanged on both sides; only the package it imports differs (the side's folder 
 PYTHONPATH). Every run is a fresh process given `--out` with a file of its own; `--metric` is a
 path of keys into that JSON, `/`-separated (higher is better, e.g. tokens/s). Sides alternate A, B,
 B, A, A, B, ... like `ab_engine.py`, and the summary is the median over rounds of each round's
-B / A ratio, beside each side's median. Repeat `--metric` to report several.
+B / A ratio, beside each side's median. Repeat `--metric` to report several. A script that names
+its JSON file otherwise takes `--out-flag`; the package's own CLI runs as a module:
+
+    python benchmarks/ab_script.py --a OLD_DIR --b NEW_DIR --out-flag=--json \
+        --metric results/0/tokens_per_sec -- -m minipaged.cli bench --workload sharegpt \
+        --model dummy:qwen3-0.6b --dtype bfloat16 --backends minipaged
 """
 from __future__ import annotations
 
@@ -24,9 +29,10 @@ import sys
 import tempfile
 
 
-def lookup(data: dict, path: str) -> float:
+def lookup(data, path: str) -> float:
+    """`path`'s value: keys of dicts and indices of lists, '/'-separated ("results/0/tok_s")."""
     for key in path.split("/"):
-        data = data[key]
+        data = data[int(key)] if isinstance(data, list) else data[key]
     return float(data)
 
 
@@ -38,6 +44,8 @@ def main() -> None:
     ap.add_argument("--metric", action="append", required=True,
                     help="a '/'-separated key path into the script's JSON; repeatable")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--out-flag", default="--out",
+                    help="the script's flag for its JSON file (`minipaged bench`: --out-flag=--json)")
     ap.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS]")
     a = ap.parse_args()
     script = a.script[1:] if a.script[:1] == ["--"] else a.script
@@ -52,7 +60,7 @@ def main() -> None:
                 env["PYTHONPATH"] = os.pathsep.join(
                     [os.path.abspath(getattr(a, side))] + [p for p in
                                                            env.get("PYTHONPATH", "").split(os.pathsep) if p])
-                subprocess.run([sys.executable] + script + ["--out", path], env=env, check=True)
+                subprocess.run([sys.executable] + script + [a.out_flag, path], env=env, check=True)
                 result = json.load(open(path))
                 runs[side].append({m: lookup(result, m) for m in a.metric} | {"json": result})
                 print(f"round {r} {getattr(a, 'label_' + side)}: "
