@@ -46,6 +46,9 @@ def test_minipaged_side_times_every_workload_and_checks_its_tokens(tmp_path):
     one = side["results"]["one_stream"]
     assert one["output_tokens"] == 5 and len(one["runs"]) == 3
     assert one["ms_per_token"] == pytest.approx(1e3 * one["seconds"] / 5, rel=1e-3)
+    # each run's own steps, from the engine's trace: one sequence of 3 prompt + 5 output tokens
+    assert one["steps"]["steps"] == 5 and one["steps"]["max_ms"] >= one["steps"]["median_ms"] > 0
+    assert side["results"]["nanovllm"]["steps"]["steps"] == 6  # the longer request's 6 tokens
 
 
 def test_summary_pairs_each_rounds_sides():

@@ -11,7 +11,9 @@ requests (temperature 0.6, EOS ignored; no tokenizer on either side). The side b
 with no flags but the shared ones (dtype bfloat16, max_model_len, dummy weights), runs the first
 workload once untimed (kernels compiled, graphs captured, every shape met), then times each
 workload: a batch workload once (all requests submitted together), `one_stream` three times,
-keeping the median. It imports nothing of minipaged on the vLLM side.
+keeping the median. It imports nothing of minipaged on the vLLM side. minipaged's runs also
+record their steps from the engine's trace (count, median and slowest step, and the steps over
+five times the median: a stall shows there, not in tok/s alone).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ def vllm_engine(model: str, max_model_len: int):
               "compilation_mode": str(cfg.compilation_config.mode),
               "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode),
               "gpu_memory_utilization": cfg.cache_config.gpu_memory_utilization}
-    return sampler(llm, SamplingParams, lambda p: {"prompt_token_ids": p}), config
+    return sampler(llm, SamplingParams, lambda p: {"prompt_token_ids": p}), config, None
 
 
 def minipaged_engine(model: str, max_model_len: int):
@@ -51,7 +53,7 @@ def minipaged_engine(model: str, max_model_len: int):
               "enforce_eager": cfg.enforce_eager, "async_scheduling": cfg.async_scheduling,
               "fused_ops": cfg.fused_ops, "attention_backend": cfg.attention_backend,
               "gpu_memory_utilization": cfg.gpu_memory_utilization}
-    return sampler(llm, SamplingParams, lambda p: p), config
+    return sampler(llm, SamplingParams, lambda p: p), config, llm.engine.trace
 
 
 def sampler(llm, sampling_params_cls, prompt):
@@ -71,14 +73,31 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def timed(generate, prompts, max_tokens) -> dict:
+def timed(generate, prompts, max_tokens, trace=None) -> dict:
+    """One run of a workload; with minipaged's step trace, also its steps' wall times."""
+    first = len(trace) if trace is not None else 0
     _sync()
     t0 = time.perf_counter()
     tokens = generate(prompts, max_tokens)
     _sync()
     elapsed = time.perf_counter() - t0
-    return {"output_tokens": tokens, "seconds": round(elapsed, 4),
-            "tok_per_s": round(tokens / elapsed, 1)}
+    run = {"output_tokens": tokens, "seconds": round(elapsed, 4),
+           "tok_per_s": round(tokens / elapsed, 1)}
+    if trace is not None:
+        run["steps"] = step_stats([r.duration for r in list(trace)[first:]])
+    return run
+
+
+def step_stats(durations: list[float]) -> dict:
+    """How a run's time splits over its steps: count, median and slowest step, and the steps
+    over five times the median with the seconds they took (a stall, not the workload)."""
+    if not durations:
+        return {"steps": 0}
+    median = statistics.median(durations)
+    slow = [d for d in durations if d > 5 * median]
+    return {"steps": len(durations), "median_ms": round(median * 1e3, 3),
+            "max_ms": round(max(durations) * 1e3, 3), "slow_steps": len(slow),
+            "slow_seconds": round(sum(slow), 4)}
 
 
 def main(argv=None) -> None:
@@ -91,13 +110,14 @@ def main(argv=None) -> None:
     spec = json.load(open(a.workloads))
     build = vllm_engine if a.engine == "vllm" else minipaged_engine
     t0 = time.perf_counter()
-    generate, config = build(a.model, spec["max_model_len"])
+    generate, config, trace = build(a.model, spec["max_model_len"])
     config["build_seconds"] = round(time.perf_counter() - t0, 1)
     first = spec["workloads"][0]
     warm = timed(generate, first["prompts"], first["max_tokens"])  # untimed in the results
     results = {}
     for wl in spec["workloads"]:
-        runs = [timed(generate, wl["prompts"], wl["max_tokens"]) for _ in range(wl["repeats"])]
+        runs = [timed(generate, wl["prompts"], wl["max_tokens"], trace)
+                for _ in range(wl["repeats"])]
         run = sorted(runs, key=lambda r: r["seconds"])[(len(runs) - 1) // 2]  # the median
         expected = sum(wl["max_tokens"])
         if run["output_tokens"] != expected:

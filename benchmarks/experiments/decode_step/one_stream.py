@@ -8,8 +8,9 @@ graphs and async scheduling on. After the prompt and 32 warm decode steps it tim
 decode steps twice: first without the profiler (wall ms per step, the number to compare), then
 under torch.profiler (CUPTI records the kernels a CUDA-graph replay launches). Per step it
 reports the kernels launched, their summed GPU time, and the GPU's idle time (the step's wall
-time minus its kernel time: launch gaps, host work not hidden, synchronisation), and a table of
-kernels by name and by kind (matrix multiplies, attention, split-KV reduction, norms, q/k/v
+time minus its kernel time: launch gaps, host work not hidden, synchronisation), how long the
+host waited per step for the previous step's tokens (`StepRecord.wait_time`; near 0: the host
+sets the pace, not the GPU), and a table of kernels by name and by kind (matrix multiplies, attention, split-KV reduction, norms, q/k/v
 rope+store, SiLU-and-mul, sampling, other), each with launches per step and microseconds per
 launch. `--device cpu --model stories260K` runs the same plumbing without a GPU (CPU ops only).
 """
@@ -77,6 +78,9 @@ def main(argv=None) -> None:
     sync()
     wall = decode_steps(llm, a.steps)
     sync()
+    # async scheduling: how long each step's host work waited for the previous step's tokens
+    # (StepRecord.wait_time); near 0 means the host, not the GPU, sets the pace
+    waits = [r.wait_time for r in list(eng.trace)[-a.steps:]]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         profiled = decode_steps(llm, a.steps)
@@ -111,13 +115,15 @@ def main(argv=None) -> None:
         "launches_per_step": round(sum(k["per_step"] for k in kernels), 1),
         "busy_ms_per_step": round(busy_ms, 4),
         "idle_ms_per_step": round(step_ms - busy_ms, 4),
+        "host_wait_ms_per_step": round(statistics.median(waits) * 1e3, 4),
         "by_kind": {k: {"per_step": round(v["per_step"], 2), "us_per_step": round(v["us_per_step"], 2)}
                     for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]["us_per_step"])},
         "kernels": kernels[:40],
     }
     print(f"{a.model} one stream on {a.device}: {step_ms:.3f} ms per decode step (median of "
           f"{steps}); {result['launches_per_step']} launches, {busy_ms:.3f} ms busy, "
-          f"{step_ms - busy_ms:.3f} ms idle")
+          f"{step_ms - busy_ms:.3f} ms idle; the host waited {statistics.median(waits) * 1e3:.3f} "
+          "ms per step for the GPU")
     for k, v in result["by_kind"].items():
         print(f"  {k:20s} {v['per_step']:7.1f} launches {v['us_per_step']:9.1f} us")
     if a.out:
