@@ -31,10 +31,10 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
+
+from ab_script import paired, run_rounds  # the alternating rounds and their pairing
 
 
 def workload(num_requests: int, max_input: int, max_output: int, seed: int = 0):
@@ -112,19 +112,14 @@ def main() -> None:
                    "--max-num-batched-tokens", str(a.max_num_batched_tokens),
                    "--num-requests", str(a.num_requests), "--max-input", str(a.max_input),
                    "--max-output", str(a.max_output)]
-    runs = {"a": [], "b": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(a.rounds):
-            for side in (("a", "b") if r % 2 == 0 else ("b", "a")):
-                path = os.path.join(tmp, f"{side}{r}.json")
-                subprocess.run([sys.executable, __file__, "--run", getattr(a, side),
-                                "--json", path, "--kwargs", getattr(a, side + "_kwargs")]
-                               + engine_args, check=True)
-                runs[side].append(json.load(open(path)))
-                print(f"round {r} {getattr(a, 'label_' + side)}: "
-                      f"{runs[side][-1]['tokens_per_sec']:,.0f} tok/s", flush=True)
+
+    def command(side: str, path: str):
+        return [sys.executable, __file__, "--run", getattr(a, side), "--json", path,
+                "--kwargs", getattr(a, side + "_kwargs")] + engine_args, None
+
+    runs = run_rounds(a.rounds, command, lambda side, result: (
+        f"{getattr(a, 'label_' + side)}: {result['tokens_per_sec']:,.0f} tok/s"))
     tps = {s: [x["tokens_per_sec"] for x in runs[s]] for s in "ab"}
-    paired = [b / a_ for a_, b in zip(tps["a"], tps["b"])]
     summary = {
         "benchmark": "ab_engine",
         "command": f"python benchmarks/ab_engine.py --a A --b B --rounds {a.rounds} "
@@ -134,10 +129,9 @@ def main() -> None:
                     f"{a.dtype}, block_size {a.block_size}, max_num_batched_tokens "
                     f"{a.max_num_batched_tokens}; each run after one untimed run of the same",
         "order": "A, B, then B, A, ... (alternating by round)",
-        "a": {"label": a.label_a, "kwargs": json.loads(a.a_kwargs), "tokens_per_sec": tps["a"], "median": statistics.median(tps["a"])},
-        "b": {"label": a.label_b, "kwargs": json.loads(a.b_kwargs), "tokens_per_sec": tps["b"], "median": statistics.median(tps["b"])},
-        "b_over_a_per_round": [round(x, 4) for x in paired],
-        "b_over_a_paired_median": round(statistics.median(paired), 4),
+        **{s: {"label": getattr(a, "label_" + s), "kwargs": json.loads(getattr(a, s + "_kwargs")),
+               "tokens_per_sec": tps[s], "median": statistics.median(tps[s])} for s in "ab"},
+        **paired(tps["a"], tps["b"]),
         "runs": runs}
     if a.device == "cuda":
         import torch

@@ -36,6 +36,29 @@ def lookup(data, path: str) -> float:
     return float(data)
 
 
+def run_rounds(rounds: int, command, show) -> dict[str, list[dict]]:
+    """Each side once per round, each run a fresh process, in the order A, B, then B, A, ...:
+    `command(side, json_path)` gives the run's (argv, env or None) and the run writes its JSON
+    to `json_path`; `show(side, result)` is printed after each run. Returns each side's JSONs."""
+    runs: dict[str, list[dict]] = {"a": [], "b": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            for side in (("a", "b") if r % 2 == 0 else ("b", "a")):
+                path = os.path.join(tmp, f"{side}{r}.json")
+                argv, env = command(side, path)
+                subprocess.run(argv, env=env, check=True)
+                runs[side].append(json.load(open(path)))
+                print(f"round {r} {show(side, runs[side][-1])}", flush=True)
+    return runs
+
+
+def paired(a_values: list[float], b_values: list[float]) -> dict:
+    """Each round's B / A and their median: the machine's drift falls on both sides of a round."""
+    ratios = [b / a for a, b in zip(a_values, b_values)]
+    return {"b_over_a_per_round": [round(x, 4) for x in ratios],
+            "b_over_a_paired_median": round(statistics.median(ratios), 4)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--a", required=True), ap.add_argument("--b", required=True)
@@ -45,44 +68,41 @@ def main() -> None:
                     help="a '/'-separated key path into the script's JSON; repeatable")
     ap.add_argument("--out", default=None)
     ap.add_argument("--out-flag", default="--out",
-                    help="the script's flag for its JSON file (`minipaged bench`: --out-flag=--json)")
+                    help="the script's flag for its JSON file "
+                         "(`minipaged bench`: --out-flag=--json)")
     ap.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS]")
     a = ap.parse_args()
     script = a.script[1:] if a.script[:1] == ["--"] else a.script
     if not script:
         ap.error("give the benchmark script after --")
-    runs = {"a": [], "b": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(a.rounds):
-            for side in (("a", "b") if r % 2 == 0 else ("b", "a")):
-                path = os.path.join(tmp, f"{side}{r}.json")
-                env = dict(os.environ)
-                env["PYTHONPATH"] = os.pathsep.join(
-                    [os.path.abspath(getattr(a, side))] + [p for p in
-                                                           env.get("PYTHONPATH", "").split(os.pathsep) if p])
-                subprocess.run([sys.executable] + script + [a.out_flag, path], env=env, check=True)
-                result = json.load(open(path))
-                runs[side].append({m: lookup(result, m) for m in a.metric} | {"json": result})
-                print(f"round {r} {getattr(a, 'label_' + side)}: "
-                      + ", ".join(f"{m} {runs[side][-1][m]:,.1f}" for m in a.metric), flush=True)
+
+    def command(side: str, path: str):
+        env = dict(os.environ)  # the side's package first on the path
+        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(getattr(a, side))] + paths)
+        return [sys.executable] + script + [a.out_flag, path], env
+
+    def show(side: str, result: dict) -> str:
+        return f"{getattr(a, 'label_' + side)}: " + ", ".join(
+            f"{m} {lookup(result, m):,.1f}" for m in a.metric)
+
+    runs = run_rounds(a.rounds, command, show)
     metrics = {}
     for m in a.metric:
-        values = {s: [x[m] for x in runs[s]] for s in "ab"}
-        paired = [b / a_ for a_, b in zip(values["a"], values["b"])]
+        values = {s: [lookup(x, m) for x in runs[s]] for s in "ab"}
         metrics[m] = {"a": values["a"], "b": values["b"],
                       "a_median": statistics.median(values["a"]),
-                      "b_median": statistics.median(values["b"]),
-                      "b_over_a_per_round": [round(x, 4) for x in paired],
-                      "b_over_a_paired_median": round(statistics.median(paired), 4)}
+                      "b_median": statistics.median(values["b"])} | paired(values["a"], values["b"])
         print(f"{m}: {a.label_a} median {metrics[m]['a_median']:,.1f}, {a.label_b} median "
               f"{metrics[m]['b_median']:,.1f}; B/A paired median "
-              f"{metrics[m]['b_over_a_paired_median']:.4f} (per round {metrics[m]['b_over_a_per_round']})")
+              f"{metrics[m]['b_over_a_paired_median']:.4f} "
+              f"(per round {metrics[m]['b_over_a_per_round']})")
     summary = {"benchmark": "ab_script",
                "command": "python benchmarks/ab_script.py --a A --b B "
                           f"--rounds {a.rounds} -- " + " ".join(script),
                "order": "A, B, then B, A, ... (alternating by round)",
                "a": {"label": a.label_a}, "b": {"label": a.label_b},
-               "metrics": metrics, "runs": {s: [x["json"] for x in runs[s]] for s in "ab"}}
+               "metrics": metrics, "runs": runs}
     if a.out:
         with open(a.out, "w") as f:
             json.dump(summary, f, indent=1)

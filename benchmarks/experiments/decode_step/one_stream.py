@@ -10,9 +10,10 @@ under torch.profiler (CUPTI records the kernels a CUDA-graph replay launches). P
 reports the kernels launched, their summed GPU time, and the GPU's idle time (the step's wall
 time minus its kernel time: launch gaps, host work not hidden, synchronisation), how long the
 host waited per step for the previous step's tokens (`StepRecord.wait_time`; near 0: the host
-sets the pace, not the GPU), and a table of kernels by name and by kind (matrix multiplies, attention, split-KV reduction, norms, q/k/v
-rope+store, SiLU-and-mul, sampling, other), each with launches per step and microseconds per
-launch. `--device cpu --model stories260K` runs the same plumbing without a GPU (CPU ops only).
+sets the pace, not the GPU), and a table of kernels by name and by kind (matrix multiplies,
+attention, split-KV reduction, norms, q/k/v rope+store, SiLU-and-mul, sampling, other), each
+with launches per step and microseconds per launch. `--device cpu --model stories260K` runs the
+same plumbing without a GPU (CPU ops only).
 """
 from __future__ import annotations
 
@@ -122,8 +123,8 @@ def main(argv=None) -> None:
     }
     print(f"{a.model} one stream on {a.device}: {step_ms:.3f} ms per decode step (median of "
           f"{steps}); {result['launches_per_step']} launches, {busy_ms:.3f} ms busy, "
-          f"{step_ms - busy_ms:.3f} ms idle; the host waited {statistics.median(waits) * 1e3:.3f} "
-          "ms per step for the GPU")
+          f"{step_ms - busy_ms:.3f} ms idle; the host waited "
+          f"{result['host_wait_ms_per_step']:.3f} ms per step for the GPU")
     for k, v in result["by_kind"].items():
         print(f"  {k:20s} {v['per_step']:7.1f} launches {v['us_per_step']:9.1f} us")
     if a.out:
