@@ -52,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minipaged.kernel_launch import launch_pdl, wait_for_previous_kernel
 from minipaged.utils import check_last_dim_contiguous, last_dim_contiguous
 from minipaged.worker.kv_dtype import is_fp8, to_cache_dtype
 
@@ -200,8 +201,10 @@ def paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     SPLIT: tl.constexpr,  # num_splits > 1: write partial results for reduce_splits_kernel
     FP32_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, CAST_KV: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (kernel_launch.py)
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    wait_for_previous_kernel(USE_PDL)
     # -- which work is mine -------------------------------------------------------------------
     pid = tl.program_id(0)
     seq = pid // num_q_tiles
@@ -414,6 +417,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     fp32_dot = (interpret or k_cache.dtype == torch.float32 or q.dtype == torch.float32
                 or (q.dtype != k_cache.dtype and not fp8_cache))
     grid = (num_seqs * num_q_tiles, num_kv_heads, num_splits)
+    pdl = launch_pdl(q.device)
     paged_attention_kernel[grid](
         out, partial_out, partial_lse, q, k_cache, v_cache,
         block_tables, context_lens, cu_seqlens_q,
@@ -425,7 +429,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), SPLIT=num_splits > 1,
         FP32_DOT=fp32_dot, DOT_PRECISION="ieee" if fp32_dot else "tf32", CAST_KV=fp8_cache,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        USE_PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
     )
     if num_splits > 1:
         first, end = tokens or (0, num_tokens)

@@ -1,7 +1,7 @@
 """A GEMV kernel for the linear layers of a decode step: out = x W^T (+ bias) for a few rows.
 
 A decode step multiplies one token per sequence, so with a few sequences running, each linear
-layer is a matrix-vector product: x (M, K) with M = 1..4 against the weight W (N, K). Every weight
+layer is a matrix-vector product: x (M, K) with M = 1 or 2 against the weight W (N, K). Every weight
 is read once and used M times, so the layer costs what reading W costs: Qwen3-0.6B's gate_up_proj
 is 12.6 MB of bf16, 2.6 µs at the H200's 4.8 TB/s. In the one-stream profile
 (benchmarks/experiments/decode_step/one_stream_h200.json) matrix multiplies were 910 of a step's
@@ -20,21 +20,26 @@ The launch (`skinny_config`), chosen from the weight's shape and the GPU's size 
 
     grid       cdiv(N, BLOCK_N) programs, each owning BLOCK_N output features (rows of W) for all
                M rows of x, so W is read from memory once whatever M is
-    BLOCK_N    the largest power of two (at most MAX_BLOCK_N) that still leaves
+    BLOCK_N    the largest power of two (at most MAX_BLOCK_N = 8) that still leaves
                PROGRAMS_PER_SM programs per SM: a GEMV has no data reuse to hide memory latency
                behind, only many loads in flight, so every SM needs programs of its own; N = 1024
                (o_proj, down_proj of Qwen3-0.6B) gets BLOCK_N = 2, 512 programs on 132 SMs
-    BLOCK_K    fills a tile of TILE_ELEMENTS weights per loop iteration (8 KB of bf16: four
-               16-byte loads along K per thread, each row's chunk at least MIN_BLOCK_K = 128
-               contiguous values) without passing K's next power of two: the more bytes a
-               program asks for at once, the fewer round trips to memory
-    num_warps  one per 1,024 weights of the tile (32 per thread), at most 4
+    BLOCK_K    fills a tile of TILE_ELEMENTS weights per loop iteration (8 KB of bf16) without
+               passing K's next power of two, each row's chunk at least MIN_BLOCK_K = 128
+               contiguous values: the more bytes a program asks for at once, the fewer round
+               trips to memory
+    num_warps  one per 512 weights of the tile (16 per thread), at most 8
+
+On an H200 (benchmarks/experiments/decode_step/skinny_gemm_h200.json) this reads Qwen3-0.6B's
+four layers in 16-18 us where cuBLAS takes 27-31 us for one or two rows; from three rows on
+cuBLAS is as fast or faster, hence SKINNY_MAX_ROWS = 2. Tiles of 16 or 32 rows of W, or 4 warps
+on the N = 1024 layers, were up to 20% slower there.
 
 Determinism: the config depends on (N, K) and the SM count only, never on M or on timings (no
 autotune), and each output is one program's fixed-order sum (no split-K, no atomics), so a
 layer's result is the same on every run. Each row of x has its own accumulator, filled and
 summed in the same order whatever M is, so a row's result does not depend on the others: a
-decode step of 3 sequences gives the same bits eager and from the CUDA graph of 4.
+decode step of 1 sequence gives the same bits eager and from the CUDA graph of 2.
 
 All math is fp32 (`.to(tl.float32)` on every load: the CPU interpreter mishandles bf16
 arithmetic), rounded once to x's dtype; launch shapes come from tensor shapes only (never
@@ -52,14 +57,15 @@ import triton
 import triton.language as tl
 
 from minipaged.attention.triton_backend import num_sms
+from minipaged.kernel_launch import launch_pdl, wait_for_previous_kernel
 from minipaged.utils import last_dim_contiguous
 
-SKINNY_MAX_ROWS = 4  # the most rows of x `skinny_linear` takes; CUDA graphs capture 1, 2, 4, ...
+SKINNY_MAX_ROWS = 2  # the most rows of x `skinny_linear` takes (CUDA graphs of 1 and 2)
 SKINNY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # float64 stays with F.linear
 PROGRAMS_PER_SM = 2  # at least this many programs per SM, where N has the rows for them
 TILE_ELEMENTS = 4096  # weights one program loads per loop iteration
 MIN_BLOCK_K = 128  # a row's chunk per iteration: 256 bytes of bf16, two 128-byte lines
-MAX_BLOCK_N = TILE_ELEMENTS // MIN_BLOCK_K  # 32
+MAX_BLOCK_N = 8  # rows of W per program
 
 
 @dataclass(frozen=True)
@@ -87,7 +93,7 @@ def skinny_config(n: int, k: int, num_sms: int) -> SkinnyConfig:
     while block_n < MAX_BLOCK_N and triton.cdiv(n, 2 * block_n) >= target:
         block_n *= 2
     block_k = max(MIN_BLOCK_K, min(triton.next_power_of_2(k), TILE_ELEMENTS // block_n))
-    num_warps = max(1, min(4, block_n * block_k // (32 * 32)))
+    num_warps = max(1, min(8, block_n * block_k // (32 * 16)))
     return SkinnyConfig(block_n, block_k, num_warps)
 
 
@@ -115,40 +121,41 @@ def skinny_linear_kernel(
     out_ptr,  # (M, N)
     M, N, K,
     stride_x, stride_w, stride_out,  # row strides; the last dims are contiguous
-    BLOCK_M: tl.constexpr,  # next power of two >= M: 1, 2 or 4 (one accumulator per row)
+    BLOCK_M: tl.constexpr,  # next power of two >= M: 1 or 2 (one accumulator per row)
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (kernel_launch.py)
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output features (rows of W)
     col_mask = cols < N
     ks = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w  # (BLOCK_N, 1)
+    # The first tile of W is read before waiting for the kernel that wrote x: no kernel of a step
+    # writes weights, so with PDL the weight stream starts while that kernel finishes. Each
+    # iteration then asks for the next tile before it multiplies this one.
+    w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & (ks < K)[None, :],
+                other=0.0).to(tl.float32)  # (BLOCK_N, BLOCK_K), read once for every row of x
+    wait_for_previous_kernel(USE_PDL)
     # Per row of x, the products summed element-wise over the K loop and reduced once at the
     # end: the loop body is loads and multiply-adds only, nothing waits on another thread.
     acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + ks
         k_mask = k < K
-        w = tl.load(w_rows + k[None, :], mask=col_mask[:, None] & k_mask[None, :],
-                    other=0.0).to(tl.float32)  # (BLOCK_N, BLOCK_K), read once for every row
+        next_k = k + BLOCK_K  # past K on the last iteration: fully masked, nothing is read
+        w_next = tl.load(w_rows + next_k[None, :], mask=col_mask[:, None] & (next_k < K)[None, :],
+                         other=0.0).to(tl.float32)
         acc0 = _fma_row(acc0, w, x_ptr, 0, M, stride_x, k, k_mask)
         if BLOCK_M > 1:
             acc1 = _fma_row(acc1, w, x_ptr, 1, M, stride_x, k, k_mask)
-        if BLOCK_M > 2:
-            acc2 = _fma_row(acc2, w, x_ptr, 2, M, stride_x, k, k_mask)
-            acc3 = _fma_row(acc3, w, x_ptr, 3, M, stride_x, k, k_mask)
+        w = w_next
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     _store_row(out_ptr, 0, M, stride_out, acc0, bias, cols, col_mask)
     if BLOCK_M > 1:
         _store_row(out_ptr, 1, M, stride_out, acc1, bias, cols, col_mask)
-    if BLOCK_M > 2:
-        _store_row(out_ptr, 2, M, stride_out, acc2, bias, cols, col_mask)
-        _store_row(out_ptr, 3, M, stride_out, acc3, bias, cols, col_mask)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -172,8 +179,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     x = last_dim_contiguous(x)
     config = config or skinny_config(n, k, num_sms(x.device))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    pdl = launch_pdl(x.device)
     skinny_linear_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, bias, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        HAS_BIAS=bias is not None, num_warps=config.num_warps)
+        HAS_BIAS=bias is not None, USE_PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl)
     return out

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minipaged.kernel_launch import launch_pdl, wait_for_previous_kernel
 from minipaged.utils import check_last_dim_contiguous, last_dim_contiguous
 from minipaged.worker.kv_dtype import FP8_MAX, is_fp8
 
@@ -64,7 +65,9 @@ def rms_norm_kernel(
     hidden, eps,
     BLOCK: tl.constexpr,  # next power of two >= hidden
     HAS_RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (kernel_launch.py)
 ):
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)  # one program per token
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -90,13 +93,13 @@ def _rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.T
     if residual is not None:
         r2, r_out = _rows(residual), torch.empty_like(out)
     if x2.shape[0] > 0:
-        block = triton.next_power_of_2(hidden)
+        block, pdl = triton.next_power_of_2(hidden), launch_pdl(x.device)
         rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, r_out,
             x2.stride(0), 0 if r2 is None else r2.stride(0),
             out.stride(0), 0 if r_out is None else r_out.stride(0),
             hidden, eps, BLOCK=block, HAS_RESIDUAL=residual is not None,
-            num_warps=_num_warps(block))
+            USE_PDL=pdl, num_warps=_num_warps(block), launch_pdl=pdl)
     out = out.view(x.shape)
     return out, None if r_out is None else r_out.view(x.shape)
 
@@ -126,7 +129,9 @@ def silu_and_mul_kernel(
     out_ptr,  # (num_tokens, intermediate)
     stride_x, stride_out, intermediate,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (kernel_launch.py)
 ):
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)  # a program per (token, BLOCK columns)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < intermediate
@@ -145,10 +150,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = last_dim_contiguous(x)
     out = torch.empty(num_tokens, intermediate, dtype=x.dtype, device=x.device)
     if num_tokens > 0:
-        block = min(triton.next_power_of_2(intermediate), 1024)
+        block, pdl = min(triton.next_power_of_2(intermediate), 1024), launch_pdl(x.device)
         silu_and_mul_kernel[(num_tokens, triton.cdiv(intermediate, block))](
             x, out, x.stride(0), out.stride(0), intermediate, BLOCK=block,
-            num_warps=_num_warps(block))
+            USE_PDL=pdl, num_warps=_num_warps(block), launch_pdl=pdl)
     return out
 
 
@@ -189,7 +194,9 @@ def qkv_rope_store_kernel(
     HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HAS_QK_NORM: tl.constexpr,
     FP8_CACHE: tl.constexpr, FP8_MAX: tl.constexpr,  # a float8 cache clamps to +-FP8_MAX
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (kernel_launch.py)
 ):
+    wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0)  # one program per token: all its q, k and v heads
     HALF: tl.constexpr = HEAD_DIM // 2
     dims = tl.arange(0, HALF_PAD)  # lanes of one half of a head
@@ -260,7 +267,7 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return q
-    has_qk_norm = q_norm_weight is not None
+    has_qk_norm, pdl = q_norm_weight is not None, launch_pdl(qkv.device)
     half_pad = triton.next_power_of_2(head_dim // 2)
     qkv_rope_store_kernel[(num_tokens,)](
         qkv, positions, cos, sin, q_norm_weight, k_norm_weight, q, k_cache, v_cache, slot_mapping,
@@ -271,8 +278,8 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
         HEADS_PAD=triton.next_power_of_2(num_heads),
         KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HALF_PAD=half_pad,
         BLOCK_SIZE=k_cache.shape[1], HAS_QK_NORM=has_qk_norm,
-        FP8_CACHE=is_fp8(k_cache.dtype), FP8_MAX=FP8_MAX,
-        num_warps=_num_warps((num_heads + 2 * num_kv_heads) * half_pad),
+        FP8_CACHE=is_fp8(k_cache.dtype), FP8_MAX=FP8_MAX, USE_PDL=pdl,
+        num_warps=_num_warps((num_heads + 2 * num_kv_heads) * half_pad), launch_pdl=pdl,
     )
     return q
 

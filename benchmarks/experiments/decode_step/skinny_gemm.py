@@ -1,7 +1,7 @@
 """The skinny GEMM (minipaged/models/triton_gemv.py) beside cuBLAS on decode's linear layers.
 
     python benchmarks/experiments/decode_step/skinny_gemm.py \
-        [--models qwen3-0.6b,qwen3-8b] [--rows 1,2,4] [--no-sweep] \
+        [--models qwen3-0.6b,qwen3-8b] [--rows 1,2] [--no-sweep] \
         [--out benchmarks/experiments/decode_step/skinny_gemm_h200.json]
     python benchmarks/experiments/decode_step/skinny_gemm.py --dry-run   # CPU interpreter: plumbing
 
@@ -12,7 +12,7 @@ W (N, K) ~ N(0, 1/K), no bias, it times
 * `cublas`: F.linear(x, W), what the fused layers ran before;
 * `skinny`: skinny_linear(x, W) with `skinny_config`'s launch, what FusedLinear runs;
 * `sweep`: the same kernel with a few other launches around it (half and twice the tile, twice
-  the programs, twice the warps), at M = 1 and M = 4 (`--no-sweep` leaves them out).
+  and half the programs, half the warps), at M = 1 and M = 2 (`--no-sweep` leaves them out).
 
 Each variant is one CUDA graph of `--calls` (200) back-to-back calls, as a decode graph runs its
 layers (no launch overhead between them), replayed `--replays` (5) times after a warm-up replay;
@@ -57,18 +57,20 @@ from minipaged.models.triton_gemv import (MIN_BLOCK_K, SkinnyConfig,  # noqa: E4
 
 DEFAULT_OUT = "benchmarks/experiments/decode_step/skinny_gemm_h200.json"
 RTOL, ATOL = 2 ** -7, 1e-3  # kernel vs F.linear: one bf16 unit in the last place
-SWEEP_ROWS = (1, 4)  # M with the config sweep (M = 2: the chosen config only)
+SWEEP_ROWS = (1, 2)  # M with the config sweep
 
 
 def sweep_configs(default: SkinnyConfig, k: int) -> list[SkinnyConfig]:
     """A few launches around the chosen one: half and twice the tile, twice the programs (half
-    BLOCK_N, twice BLOCK_K), twice the warps; those equal to it or to each other dropped."""
+    BLOCK_N, twice BLOCK_K) or half (twice BLOCK_N), half the warps; those equal to it or to
+    each other dropped."""
     bn, bk, w = default.block_n, default.block_k, default.num_warps
     k_max = max(MIN_BLOCK_K, triton.next_power_of_2(k))
     candidates = [SkinnyConfig(bn, max(64, bk // 2), max(1, w // 2)),
                   SkinnyConfig(bn, min(k_max, 2 * bk), min(8, 2 * w)),
                   SkinnyConfig(max(1, bn // 2), min(k_max, 2 * bk), w),
-                  SkinnyConfig(bn, bk, min(8, 2 * w))]
+                  SkinnyConfig(2 * bn, max(64, bk // 2), w),
+                  SkinnyConfig(bn, bk, max(1, w // 2))]
     return [c for c in dict.fromkeys(candidates) if c != default]
 
 
@@ -151,7 +153,7 @@ def measure_shape(n: int, k: int, rows: list[int], args, device, l2_bytes: int) 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="qwen3-0.6b,qwen3-8b", help="dummy presets, comma-separated")
-    ap.add_argument("--rows", default="1,2,4", help="M values (1 to SKINNY_MAX_ROWS)")
+    ap.add_argument("--rows", default="1,2", help="M values (1 to SKINNY_MAX_ROWS)")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--replays", type=int, default=5)
     ap.add_argument("--no-sweep", dest="sweep", action="store_false")
