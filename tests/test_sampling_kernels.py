@@ -56,6 +56,30 @@ def test_kernel_greedy_rows_banned_tokens_and_fallbacks():
 
 
 @IGNORE_INTERPRETER_WARNINGS
+def test_kernel_sampler_keeps_its_plan_while_the_rows_are_the_same_sequences(monkeypatch):
+    """A decode step of the same sequences as the last one reuses their 1 / T on the device
+    (no host copy per step); other sequences, even with equal values, get a plan of their own,
+    so a greedy batch after a sampled one is argmax again."""
+    pytest.importorskip("triton")
+    from minipaged.sampling import kernel_sampler
+    calls = []
+    inv_temperature = kernel_sampler.inv_temperature
+    monkeypatch.setattr(kernel_sampler, "inv_temperature",
+                        lambda params, device: calls.append(len(params)) or
+                        inv_temperature(params, device))
+    gen = torch.Generator().manual_seed(3)
+    logits = distinct_logits(gen, 4, 40, scale=0.2)  # flat: T = 1 rarely picks the argmax
+    hot = [make_seq([1], temperature=1.0) for _ in range(4)]
+    sampler = KernelSampler(seed=2)
+    first = sampler(logits, hot).token_ids
+    second = sampler(logits, hot).token_ids
+    assert calls == [4] and first != second  # one copy of 1 / T; fresh draws each step
+    cold = [make_seq([1], temperature=0.0) for _ in range(4)]
+    assert sampler(logits, cold).token_ids == logits.argmax(-1).tolist()
+    assert calls == [4]  # all greedy: no 1 / T at all
+
+
+@IGNORE_INTERPRETER_WARNINGS
 def test_kernel_two_stage_draw_matches_softmax_across_chunks():
     """The kernel draws a chunk by its log-sum-exp, then a token inside it: together exactly the
     softmax. Eight live tokens spread over four chunks of 16 (the rest banned, -inf)."""

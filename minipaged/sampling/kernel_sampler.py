@@ -33,11 +33,18 @@ class KernelSampler(Sampler):
     def __init__(self, seed: int = 0, eos_token_ids=()):
         super().__init__(seed, eos_token_ids)
         self.host_generator = torch.Generator().manual_seed(seed)  # the kernel's per-step seeds
-        self.last_rows = None  # sample_masked: (its last rows, kernels apply?, their 1 / T)
+        self.last_rows = None  # `rows_plan`: (its last rows, kernels apply?, their 1 / T)
 
     @torch.no_grad()
     def sample(self, logits: torch.Tensor, seqs: Rows) -> torch.Tensor:
-        params = [s.sampling_params for s in seqs]
+        kernel, inv_t = self.rows_plan(logits, seqs)
+        if kernel:  # the common case: worked out once while the rows stay the same sequences
+            if inv_t is None:
+                return logits.max(dim=-1).indices
+            from minipaged.sampling.kernels import gumbel_sample
+            seed = int(torch.randint(2**31 - 1, (1,), generator=self.host_generator))
+            return gumbel_sample(logits, inv_t, seed)
+        params = [s.sampling_params for s in seqs]  # penalties or min_tokens bans
         if not kernel_applies(params):
             return super().sample(logits, seqs)
         if any(p.has_penalties for p in params):  # penalties are computed in fp32

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import sys
@@ -58,6 +59,24 @@ def decode_steps(llm, n: int) -> list[float]:
         eng.step()
         times.append(time.perf_counter() - t0)
     return times
+
+
+def host_cpu() -> dict:
+    """Where the host's work ran: the CPUs the process may use, the one it ran on last, and
+    that CPU's clock (Linux /proc; empty elsewhere). Runs whose host work per step differs
+    twofold on one machine can be told apart by it."""
+    info = {}
+    try:
+        info["allowed_cpus"] = len(os.sched_getaffinity(0))
+        cpu = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[36])
+        info["last_cpu"] = cpu
+        blocks = Path("/proc/cpuinfo").read_text().split("\n\n")
+        mhz = [line.split(":")[1] for line in blocks[cpu].splitlines() if line.startswith("cpu MHz")]
+        if mhz:
+            info["last_cpu_mhz"] = float(mhz[0])
+    except (OSError, IndexError, ValueError, AttributeError):
+        pass
+    return info
 
 
 def main(argv=None) -> None:
@@ -117,6 +136,7 @@ def main(argv=None) -> None:
         "busy_ms_per_step": round(busy_ms, 4),
         "idle_ms_per_step": round(step_ms - busy_ms, 4),
         "host_wait_ms_per_step": round(statistics.median(waits) * 1e3, 4),
+        "host_cpu": host_cpu(),
         "by_kind": {k: {"per_step": round(v["per_step"], 2), "us_per_step": round(v["us_per_step"], 2)}
                     for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]["us_per_step"])},
         "kernels": kernels[:40],
@@ -124,7 +144,8 @@ def main(argv=None) -> None:
     print(f"{a.model} one stream on {a.device}: {step_ms:.3f} ms per decode step (median of "
           f"{steps}); {result['launches_per_step']} launches, {busy_ms:.3f} ms busy, "
           f"{step_ms - busy_ms:.3f} ms idle; the host waited "
-          f"{result['host_wait_ms_per_step']:.3f} ms per step for the GPU")
+          f"{result['host_wait_ms_per_step']:.3f} ms per step for the GPU; host CPU "
+          f"{result['host_cpu']}")
     for k, v in result["by_kind"].items():
         print(f"  {k:20s} {v['per_step']:7.1f} launches {v['us_per_step']:9.1f} us")
     if a.out:
