@@ -26,7 +26,7 @@ before it (the norm that produces its input) is still running. Kernels launched 
 (cuBLAS, torch's own) wait as always, and a PDL kernel after one of them simply starts when it
 ends, so the two kinds mix freely. CUDA graphs record the dependency as a programmatic edge.
 
-    launch_pdl(device) -> bool   PDL for kernels launched on `device`: a CUDA GPU of compute
+    launch_pdl(device) -> bool   PDL for kernels launched on `device`: an NVIDIA GPU of compute
                                  capability >= 9, unless MINIPAGED_PDL=0 (off switch for A/Bs)
 """
 from __future__ import annotations
@@ -42,7 +42,8 @@ _CAPABLE: dict[str, bool] = {}
 
 def launch_pdl(device: torch.device) -> bool:
     """Launch this device's step kernels with programmatic dependent launch (module docstring)."""
-    if device.type != "cuda" or os.environ.get("MINIPAGED_PDL", "1") == "0":
+    if (device.type != "cuda" or torch.version.hip is not None  # ROCm also says "cuda"
+            or os.environ.get("MINIPAGED_PDL", "1") == "0"):
         return False
     key = str(device)
     if key not in _CAPABLE:

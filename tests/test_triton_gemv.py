@@ -234,10 +234,14 @@ def test_fp8_replaces_fused_linear_layers():
 
 
 def test_programmatic_dependent_launch_only_where_the_gpu_has_it(monkeypatch):
-    """PDL (kernel_launch.py) is a CUDA feature of compute capability 9.0 on: never on the CPU,
-    and MINIPAGED_PDL=0 turns it off (tests/test_gpu.py compares the two on a GPU)."""
+    """PDL (kernel_launch.py) is an NVIDIA feature of compute capability 9.0 on: never on the
+    CPU or an AMD GPU, and MINIPAGED_PDL=0 turns it off (tests/test_gpu.py compares the two on
+    a GPU)."""
     from minipaged.kernel_launch import launch_pdl
     assert launch_pdl(torch.device("cpu")) is False
+    with monkeypatch.context() as m:  # ROCm builds of torch call AMD GPUs "cuda" too
+        m.setattr(torch.version, "hip", "6.4")
+        assert launch_pdl(torch.device("cuda")) is False
     monkeypatch.setenv("MINIPAGED_PDL", "0")
     assert launch_pdl(torch.device("cpu")) is False
     if torch.cuda.is_available():
