@@ -37,24 +37,21 @@ class KernelSampler(Sampler):
 
     @torch.no_grad()
     def sample(self, logits: torch.Tensor, seqs: Rows) -> torch.Tensor:
+        # the common case is planned once while the rows stay the same sequences (`rows_plan`)
         kernel, inv_t = self.rows_plan(logits, seqs)
-        if kernel:  # the common case: worked out once while the rows stay the same sequences
-            if inv_t is None:
-                return logits.max(dim=-1).indices
-            from minipaged.sampling.kernels import gumbel_sample
-            seed = int(torch.randint(2**31 - 1, (1,), generator=self.host_generator))
-            return gumbel_sample(logits, inv_t, seed)
-        params = [s.sampling_params for s in seqs]  # penalties or min_tokens bans
-        if not kernel_applies(params):
-            return super().sample(logits, seqs)
-        if any(p.has_penalties for p in params):  # penalties are computed in fp32
-            logits = logits.float()
-        logits = self.penalize(logits, seqs)  # (-inf, min_tokens' bans, never wins the draw)
-        if all(p.greedy for p in params):
+        if not kernel:  # penalties or min_tokens bans: each step applies them to its logits
+            params = [s.sampling_params for s in seqs]
+            if not kernel_applies(params):
+                return super().sample(logits, seqs)
+            if any(p.has_penalties for p in params):  # penalties are computed in fp32
+                logits = logits.float()
+            logits = self.penalize(logits, seqs)  # (-inf, min_tokens' bans, never wins the draw)
+            if not all(p.greedy for p in params):
+                inv_t = inv_temperature(params, logits.device)
+        if inv_t is None:  # all greedy
             return logits.max(dim=-1).indices
         from minipaged.sampling.kernels import gumbel_sample
-        seed = int(torch.randint(2**31 - 1, (1,), generator=self.host_generator))
-        return gumbel_sample(logits, inv_temperature(params, logits.device), seed)
+        return gumbel_sample(logits, inv_t, self.next_seed())
 
     @torch.no_grad()
     def sample_masked(self, logits: torch.Tensor, seqs: Rows, mask: TokenMask):
@@ -71,8 +68,11 @@ class KernelSampler(Sampler):
         from minipaged.sampling.kernels import gumbel_sample, masked_argmax
         if inv_t is None:  # all greedy: one launch, and no draw (as `sample` takes none)
             return masked_argmax(logits, mask)
-        seed = int(torch.randint(2**31 - 1, (1,), generator=self.host_generator))
-        return gumbel_sample(logits, inv_t, seed, mask=mask)
+        return gumbel_sample(logits, inv_t, self.next_seed(), mask=mask)
+
+    def next_seed(self) -> int:
+        """The next draw's seed, from the sampler's own generator (seeded once)."""
+        return int(torch.randint(2**31 - 1, (1,), generator=self.host_generator))
 
     def rows_plan(self, logits: torch.Tensor, seqs: Rows):
         """(do the kernels apply, the rows' 1 / T on the device or None if all are greedy),
