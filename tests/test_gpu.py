@@ -530,3 +530,34 @@ def test_tensor_parallel_fp32_parity_with_hf_on_gpus(n, enforce_eager):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == _greedy_hf(hf, prompts, 48)
+
+
+def test_pinned_staging_while_the_gpu_is_busy():
+    """worker/staging.py on a GPU: each step's inputs go up through a reused pinned buffer while
+    a long kernel keeps the GPU busy; a buffer comes around again (3 slots, 8 steps) only once
+    its copy is done, so no step sees another's values."""
+    from minipaged.worker.staging import StepStaging
+    staging = StepStaging(torch.device("cuda"), num_slots=3)
+    busy = torch.randn(4096, 4096, device="cuda")
+    results = []
+    for step in range(8):
+        busy = busy @ busy / 64  # queued work the copies must not wait for nor overtake
+        staged = staging.stage([(torch.int64, 1000 + step), (torch.int32, 7)])
+        staged.host[0][:] = step
+        staged.host[1][:] = -step
+        ids, small = staged.to_device()
+        results.append((ids * 2 + small[:1].long(), step))  # = step, computed after `busy`
+    torch.cuda.synchronize()
+    for out, step in results:
+        assert out.shape == (1000 + step,) and torch.all(out == step).item()
+
+
+def test_kernel_sampler_keeps_one_launch_variant_across_seeds():
+    """`CompiledLaunch` keys pick_kernel's variants without the per-step seed (Triton does not
+    specialise on it): a new seed every step must not compile, nor keep, a new variant."""
+    from minipaged.sampling import kernels
+    logits = torch.randn(3, 1000, device="cuda", dtype=torch.bfloat16)
+    inv_t = torch.full((3,), 1 / 0.7, device="cuda")
+    for seed in (5, 16, 1, 2**31 - 2, 12345):
+        kernels.gumbel_sample(logits, inv_t, seed)
+    assert len([k for k in kernels._pick_launch.variants if 1000 in k]) == 1

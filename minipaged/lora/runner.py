@@ -32,7 +32,8 @@ class LoRAModelRunner(RunnerWrapper):
         """The decode graphs again, captured with the LoRA kernels left out."""
         base = CUDAGraphRunner(graphs.model, graphs.kv_cache, graphs.backend,
                                max_num_seqs=graphs.max_bs, max_model_len=graphs.max_model_len,
-                               block_size=graphs.block_size, device=graphs.device)
+                               block_size=graphs.block_size, device=graphs.device,
+                               logits_max_batch=graphs.logits_max_batch)
         punica = self.lora_manager.punica
         punica.capturing_base = True
         try:

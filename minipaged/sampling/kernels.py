@@ -205,8 +205,10 @@ class CompiledLaunch:
     variant's launcher (benchmarks/experiments/structured_outputs/masked_argmax_launch.py), and a
     host-bound decode step pays it on its critical path. Variants are kept, per device, by what
     Triton specialises on: each tensor's dtype and whether its address is a multiple of 16, and each
-    integer's value (stricter than Triton's "1 / divisible by 16", so never a wrong variant). The
-    arguments are tensors and ints only, the ints taking few values (strides, sizes); the kernel
+    integer's value (stricter than Triton's "1 / divisible by 16", so never a wrong variant), except
+    an integer the kernel does not specialise on (`do_not_specialize`, a per-step seed): only
+    whether it fits in 32 bits, which picks its type. The arguments are tensors and ints only, the
+    other ints taking few values (strides, sizes); the kernel
     uses no globals that change and has no pre-run hooks, which Triton's path checks and this one
     does not. The first launch of a variant, the interpreter, and a launch hook (a profiler) take
     Triton's own path. (A cache of compiled code, as Triton's own is.)"""
@@ -214,6 +216,8 @@ class CompiledLaunch:
     def __init__(self, kernel):
         self.kernel = kernel
         self.variants: dict = {}
+        self.unspecialized = {p.num for p in getattr(kernel, "params", ())  # (interpreter: none)
+                              if p.do_not_specialize}
 
     def __call__(self, grid: tuple, *args, num_warps: int, **constexprs) -> None:
         """kernel[grid](*args, num_warps=num_warps, **constexprs): every argument before the
@@ -223,8 +227,9 @@ class CompiledLaunch:
             return
         device = triton.runtime.driver.active.get_current_device()  # as Triton launches
         key = (device, num_warps, *constexprs.values(), *(
-            (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a
-            for a in args))
+            (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
+            else (-2**31 <= a < 2**31) if i in self.unspecialized else a
+            for i, a in enumerate(args)))
         compiled = self.variants.get(key)
         if compiled is None or _launch_hooked():
             assert list(constexprs) == self.kernel.arg_names[len(args):], list(constexprs)
@@ -312,13 +317,17 @@ def gumbel_sample(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int
         bitmask, masked, keep = _checked(mask, rows, vocab)
         opened = torch.empty((rows, num_chunks), dtype=torch.int32, device=logits.device)
         stride_mask = bitmask.stride(0)
-    chunk_stats_kernel[(rows, num_chunks)](
-        logits, inv_temperature, lse, maxes, argmax, bitmask, masked, keep, opened,
-        logits.stride(0), stride_mask, vocab, CHUNK=chunk, HAS_MASK=mask is not None,
+    _chunk_stats_launch(
+        (rows, num_chunks), logits, inv_temperature, lse, maxes, argmax, bitmask, masked, keep,
+        opened, logits.stride(0), stride_mask, vocab, CHUNK=chunk, HAS_MASK=mask is not None,
         num_warps=warps)
-    pick_kernel[(rows,)](
-        logits, inv_temperature, lse, maxes, argmax, bitmask, masked, keep, opened, out,
+    _pick_launch(
+        (rows,), logits, inv_temperature, lse, maxes, argmax, bitmask, masked, keep, opened, out,
         logits.stride(0), stride_mask, vocab, num_chunks, seed, CHUNK=chunk,
         CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)), HAS_MASK=mask is not None,
         num_warps=warps)
     return out
+
+
+_chunk_stats_launch = CompiledLaunch(chunk_stats_kernel)
+_pick_launch = CompiledLaunch(pick_kernel)

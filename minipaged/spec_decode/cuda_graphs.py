@@ -86,6 +86,11 @@ class VerifyGraphRunner:
         if graphs:
             torch.cuda.synchronize(self.device)
 
+    def has_logits(self, num_seqs: int) -> bool:
+        """Verify graphs end at the hidden states: the runner computes the sampled rows' logits
+        (a sequence's k + 1 rows, not every padded one)."""
+        return False
+
     def can_run(self, metadata: AttentionMetadata) -> bool:
         """A step of at most max_bs sequences with queries of 2..q tokens (1 is a decode
         graph's)."""

@@ -12,6 +12,12 @@ eagerly. Only backends whose attention never reads device tensors back on the ho
 backend) can be captured; the split-KV factor is fixed per captured batch size, chosen for
 `max_model_len`, so every replay launches the same grid.
 
+A set may also record the LM head for its smallest batch sizes (`logits_max_batch`): the replay
+then returns the step's logits too, and the host launches nothing else for the forward. That is
+where a step's host work sets the pace (one stream: lesson 08's profile). Larger batches keep
+the LM head outside, where the (rows, vocab) outputs of every captured size would otherwise stay
+allocated side by side.
+
 `CUDAGraphs` is a runner's registry of graph sets, keyed by what varies between them: the
 variant (what was captured), the query length per sequence (1 for a decode set, k + 1 for a
 verify set) and, inside each set, the batch size. `find` is the one dispatch: the GPU runner's
@@ -38,8 +44,10 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class CUDAGraphRunner:
     def __init__(self, model, kv_cache: torch.Tensor, backend, *, max_num_seqs: int,
-                 max_model_len: int, block_size: int, device: torch.device):
+                 max_model_len: int, block_size: int, device: torch.device,
+                 logits_max_batch: int = 0):
         self.model = model
+        self.logits_max_batch = logits_max_batch  # sizes up to this record the LM head too
         self.kv_cache = kv_cache
         self.backend = backend
         self.block_size = block_size
@@ -60,6 +68,7 @@ class CUDAGraphRunner:
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=dev)  # 1 token each
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # (bs, vocab), sizes <= logits_max_batch
         self.metadata: dict[int, AttentionMetadata] = {}
         self.pool = None
 
@@ -77,11 +86,16 @@ class CUDAGraphRunner:
             meta = self._metadata(bs)
             self.backend.prepare(meta)
             args = (self.input_ids[:bs], self.positions[:bs], self.kv_cache, meta)
-            self.model(*args)  # warm-up: compiles the kernels, builds the plan's launches
+            with_logits = bs <= self.logits_max_batch
+            hidden = self.model(*args)  # warm-up: compiles the kernels, builds the plan's launches
+            if with_logits:
+                self.model.compute_logits(hidden)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 out = self.model(*args)
+                if with_logits:
+                    self.logits[bs] = self.model.compute_logits(out)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs], self.outputs[bs], self.metadata[bs] = graph, out, meta
@@ -90,6 +104,18 @@ class CUDAGraphRunner:
     def can_run(self, metadata: AttentionMetadata) -> bool:
         """A decode step (one token per sequence) of at most max_bs sequences."""
         return metadata.max_query_len == 1 and metadata.num_seqs <= self.max_bs
+
+    def has_logits(self, num_seqs: int) -> bool:
+        """Does the graph that replays `num_seqs` sequences compute the logits too?"""
+        return num_seqs <= self.logits_max_batch
+
+    @torch.inference_mode()
+    def run_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                   metadata: AttentionMetadata) -> torch.Tensor:
+        """`run`, for a size that `has_logits`: the step's (num_seqs, vocab) logits."""
+        b = metadata.num_seqs
+        self.run(input_ids, positions, metadata)
+        return self.logits[next(s for s in self.sizes if s >= b)][:b]
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -100,9 +126,10 @@ class CUDAGraphRunner:
         self.input_ids[:b].copy_(input_ids, non_blocking=True)
         self.positions[:b].copy_(positions, non_blocking=True)
         self.slot_mapping[:b].copy_(metadata.slot_mapping, non_blocking=True)
-        self.slot_mapping[b:bs].fill_(-1)
         self.context_lens[:b].copy_(metadata.context_lens, non_blocking=True)
-        self.context_lens[b:bs].fill_(0)
+        if bs > b:  # padding rows: nothing stored, nothing read (each fill is a launch)
+            self.slot_mapping[b:bs].fill_(-1)
+            self.context_lens[b:bs].fill_(0)
         width = metadata.block_tables.shape[1]
         self.block_tables[:b, :width].copy_(metadata.block_tables, non_blocking=True)
         self.graphs[bs].replay()
@@ -121,7 +148,8 @@ class CUDAGraphs:
         self.sets: dict = {}  # variant -> CUDAGraphRunner (q = 1) or VerifyGraphRunner (k + 1)
 
     def register(self, variant: str, graphs) -> None:
-        """Add a captured set (`can_run(metadata)`, `run(input_ids, positions, metadata)`)."""
+        """Add a captured set (`can_run(metadata)`, `run(input_ids, positions, metadata)`,
+        `has_logits(num_seqs)` and, where that is true, `run_logits(...)`)."""
         self.sets[variant] = graphs
 
     def get(self, variant: str):

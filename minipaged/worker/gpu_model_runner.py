@@ -7,9 +7,10 @@ four differences that only matter on a GPU:
   programs start in this order and the GPU hands them out as SMs free up, so a long context
   never finishes the step alone; the Triton backend attends to decodes and prefills in two
   launches, each with its own tile shape. The sampled rows are gathered back to step order.
-* packing: the int32 inputs share one host buffer and the int64 inputs another, so a step makes
-  two host-to-device copies, not seven. Each part starts at a multiple of 32 elements: Triton
-  compiles a kernel variant per pointer alignment it sees.
+* packing: the inputs are written into one pinned host buffer, reused from step to step
+  (staging.py), so a step makes one host-to-device copy, not seven, and pins nothing. Each part
+  starts at a multiple of 256 bytes: Triton compiles a kernel variant per pointer alignment it
+  sees.
 * padding: block-table rows are padded to a multiple of `BLOCK_TABLE_WIDTH_MULTIPLE` entries
   (the row stride is a kernel argument; its divisibility picks the variant too).
 * async scheduling (async_sched/step_loop.py): a decode whose input token is still on the GPU
@@ -18,7 +19,9 @@ four differences that only matter on a GPU:
 
 Decode steps replay CUDA graphs (cuda_graphs.py) when the config asks for them; so do
 speculative verify steps (queries of up to k + 1 tokens, spec_decode/cuda_graphs.py): `forward`
-asks the runner's registry (`CUDAGraphs`) for a set that fits the step. This file
+asks the runner's registry (`CUDAGraphs`) for a set that fits the step. The decode graphs of up
+to LOGITS_IN_GRAPH_MAX_BATCH sequences record the LM head too (`execute` takes their logits),
+except under tensor parallelism, whose ranks take the hidden states. This file
 also holds the engine's two CUDA-only set-up helpers: the activation profile that sizes the KV
 cache, and the garbage-collector freeze.
 """
@@ -37,25 +40,35 @@ from minipaged.utils import cdiv, to_device
 from minipaged.worker.cuda_graphs import DECODE, CUDAGraphRunner, CUDAGraphs
 from minipaged.worker.kv_cache import copy_blocks
 from minipaged.worker.model_runner import ModelRunner
+from minipaged.worker.staging import StepStaging
 
-_ALIGN = 32  # elements; parts of a packed buffer start at multiples of this
+
+def in_flight_tokens(ids: torch.Tensor, from_gpu: list[int], gpu_rows: list[int],
+                     dst: torch.Tensor, src: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """`ids` (num_tokens,) on the device with ids[from_gpu[i]] = tokens[gpu_rows[i]]: the tokens
+    the previous step sampled and the host has not read (`dst`, `src`: the two lists on the
+    device). A decode step of the same sequences in the same order, the common case, takes a
+    slice of `tokens` as it is, with no kernel; a contiguous run, one copy; else a gather."""
+    k = len(from_gpu)
+    if from_gpu[-1] - from_gpu[0] == k - 1 and gpu_rows == list(range(gpu_rows[0], gpu_rows[0] + k)):
+        run = tokens[gpu_rows[0]:gpu_rows[0] + k]
+        if k == ids.shape[0]:
+            return run
+        ids[from_gpu[0]:from_gpu[0] + k].copy_(run)
+        return ids
+    return ids.index_copy_(0, dst, tokens.index_select(0, src))
 
 
-def _pack(dtype, *sizes: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
-    """A zeroed host buffer for parts of the given sizes, each starting aligned; returns the
-    buffer and each part's (start, size)."""
-    spans, total = [], 0
-    for n in sizes:
-        spans.append((total, n))
-        total += cdiv(n, _ALIGN) * _ALIGN
-    return np.zeros(max(total, 1), dtype=dtype), spans
+LOGITS_IN_GRAPH_MAX_BATCH = 16  # decode graphs of up to this many sequences run the LM head too
 
 
 class GPUModelRunner(ModelRunner):
     def __init__(self, model, kv_cache: torch.Tensor, backend: AttentionBackend, block_size: int,
-                 *, max_num_seqs: int, max_model_len: int, cuda_graphs: bool):
+                 *, max_num_seqs: int, max_model_len: int, cuda_graphs: bool,
+                 logits_in_graphs: bool = True):
         super().__init__(model, kv_cache, backend, block_size)
         self.cuda_graphs = CUDAGraphs()  # spec_decode/ and lora/ register their sets here too
+        self.staging = StepStaging(self.device)  # the pinned buffers a step's inputs go through
         if self.device.type == "cuda" and isinstance(backend, TritonBackend):
             # every attention kernel variant compiled now, not when a request first needs it
             backend.compile_variants(model.config.num_attention_heads, kv_cache[0, 0],
@@ -63,7 +76,8 @@ class GPUModelRunner(ModelRunner):
         if cuda_graphs:
             decode = CUDAGraphRunner(model, kv_cache, backend, max_num_seqs=max_num_seqs,
                                      max_model_len=max_model_len, block_size=block_size,
-                                     device=self.device)
+                                     device=self.device, logits_max_batch=(
+                                         LOGITS_IN_GRAPH_MAX_BATCH if logits_in_graphs else 0))
             decode.capture()
             self.cuda_graphs.register(DECODE, decode)
 
@@ -114,20 +128,21 @@ class GPUModelRunner(ModelRunner):
         num_seqs = len(tables)
         m = BLOCK_TABLE_WIDTH_MULTIPLE
         width = cdiv(max(map(len, tables)), m) * m
-        i32, spans32 = _pack(np.int32, num_seqs * width, num_seqs, num_seqs + 1)
-        bt, ctx, cu = (i32[a:a + n] for a, n in spans32)
+        values = (input_ids, positions, slot_mapping, from_gpu, gpu_rows)
+        staged = self.staging.stage([(torch.int32, num_seqs * width), (torch.int32, num_seqs),
+                                     (torch.int32, num_seqs + 1)]
+                                    + [(torch.int64, len(v)) for v in values])
+        bt, ctx, cu, *host64 = staged.host
         bt = bt.reshape(num_seqs, width)  # block tables, padded with 0
+        bt.fill(0)
         for i, table in enumerate(tables):
             bt[i, :len(table)] = table
         ctx[:] = context_lens
-        np.cumsum(query_lens, out=cu[1:])  # cu_seqlens_q, cu[0] = 0
-        values = (input_ids, positions, slot_mapping, from_gpu, gpu_rows)
-        i64, spans64 = _pack(np.int64, *map(len, values))
-        for (a, n), v in zip(spans64, values):
-            i64[a:a + n] = v
-        i32_dev, i64_dev = to_device(i32, self.device), to_device(i64, self.device)
-        bt_dev, ctx_dev, cu_dev = (i32_dev[a:a + n] for a, n in spans32)
-        ids, pos_dev, slots_dev, dst, src = (i64_dev[a:a + n] for a, n in spans64)
+        cu[0] = 0
+        np.cumsum(query_lens, out=cu[1:])  # cu_seqlens_q
+        for part, v in zip(host64, values):
+            part[:] = v
+        bt_dev, ctx_dev, cu_dev, ids, pos_dev, slots_dev, dst, src = staged.to_device()
         metadata = AttentionMetadata(
             slot_mapping=slots_dev, block_tables=bt_dev.view(num_seqs, width),
             context_lens=ctx_dev, cu_seqlens_q=cu_dev, query_lens=query_lens,
@@ -138,7 +153,7 @@ class GPUModelRunner(ModelRunner):
                        for row in range(sample_row[id(s)] - len(s.spec_token_ids),
                                         sample_row[id(s)] + 1)]
         if from_gpu:  # (num_tokens,): the in-flight tokens' values, gathered on the device
-            ids = ids.index_copy(0, dst, pending.tokens[src])
+            ids = in_flight_tokens(ids, from_gpu, gpu_rows, dst, src, pending.tokens)
         return ids, pos_dev, metadata, sample_rows
 
     @torch.inference_mode()
@@ -148,8 +163,18 @@ class GPUModelRunner(ModelRunner):
         `decode_variant`: which decode graphs a decode step replays (lora/runner.py picks)."""
         copy_blocks(self.kv_cache, sched.blocks_to_copy)
         input_ids, positions, metadata, sample_rows = self.prepare_inputs(sched, pending)
+        graphs = self.cuda_graphs.find(metadata, decode_variant)
+        if graphs is not None and graphs.has_logits(metadata.num_seqs):  # the LM head replayed too
+            logits = graphs.run_logits(input_ids, positions, metadata)  # (num_seqs, vocab)
+            return self.sample_rows_of(logits, sample_rows)
         hidden = self.forward(input_ids, positions, metadata, decode_variant)
         return self.compute_logits(hidden, sample_rows)
+
+    def sample_rows_of(self, logits: torch.Tensor, sample_rows: list[int]) -> torch.Tensor:
+        """The rows of a step's logits (one per token) that sample, in the sampler's order."""
+        if sample_rows == list(range(logits.shape[0])):
+            return logits
+        return logits[to_device(sample_rows, self.device, torch.long)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 metadata: AttentionMetadata, decode_variant: str = DECODE) -> torch.Tensor:

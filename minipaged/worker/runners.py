@@ -18,4 +18,5 @@ def single_device_runner(config, model, kv_cache, backend):
     from minipaged.worker.gpu_model_runner import GPUModelRunner
     return GPUModelRunner(model, kv_cache, backend, config.block_size,
                           max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-                          cuda_graphs=config.use_cuda_graphs)
+                          cuda_graphs=config.use_cuda_graphs,
+                          logits_in_graphs=config.tensor_parallel_size == 1)
