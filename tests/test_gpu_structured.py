@@ -1,6 +1,6 @@
 """GPU-only checks of grammar masks (lesson 12; skipped without CUDA, run on the GPU machine):
 structured outputs with Qwen3's 151,936-token vocabulary, the greedy rows' masked-argmax kernel as
-compiled for the GPU (and launched through `kernels.CompiledLaunch`), and async scheduling's
+compiled for the GPU (and launched through `kernel_launch.CompiledLaunch`), and async scheduling's
 deferred constrained steps against synchronous ones."""
 import pytest
 import torch
@@ -95,7 +95,7 @@ def test_masked_argmax_on_gpu_equals_torch(vocab):
     wide = torch.zeros(rows, vocab + 1, dtype=torch.bfloat16, device="cuda")
     wide[:, 1:] = dev_logits
     # Each twice: the second launch of a variant goes through its compiled launcher
-    # (kernels.CompiledLaunch); fewer rows are another grid of the same variant.
+    # (kernel_launch.CompiledLaunch); fewer rows are another grid of the same variant.
     for x, n in [(dev_logits, rows), (dev_logits, rows), (shifted, rows), (shifted, rows),
                  (wide[:, 1:], rows), (wide[:, 1:], rows), (dev_logits[:17], 17)]:
         out = masked_argmax(x, mask).cpu()

@@ -188,48 +188,65 @@ def test_kernel_applies_grammar_masks_and_flags_rows_that_allow_only_stop_tokens
     assert both[1].tolist() == [0] * rows
 
 
+class _StandIn:
+    """A stand-in for a Triton kernel and the CUDA driver, for `kernel_launch.CompiledLaunch`:
+    `jit_calls` records launches through `kernel[grid](...)`, `runs` through a compiled variant's
+    launcher; `device[0]` is the current device; `on_cuda(t)` a CPU tensor that says it is on the
+    GPU."""
+
+    def __init__(self, monkeypatch, arg_names, unspecialized=()):
+        import types
+
+        import triton
+        self.jit_calls, self.runs, self.device = [], [], [0]
+        runs, jit_calls = self.runs, self.jit_calls
+
+        class Compiled:
+            function, packed_metadata = "function", "metadata"
+
+            def run(self, *args):
+                runs.append(args)
+
+        class Kernel:
+            params = [types.SimpleNamespace(num=i, do_not_specialize=name in unspecialized)
+                      for i, name in enumerate(arg_names)]
+
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    jit_calls.append((grid, args, kwargs))
+                    return Compiled()
+                return launch
+
+        Kernel.arg_names = list(arg_names)
+        self.kernel = Kernel()
+        driver = types.SimpleNamespace(active=types.SimpleNamespace(
+            get_current_device=lambda: self.device[0], get_current_stream=lambda d: 100 + d))
+        monkeypatch.setattr(triton.runtime, "driver", driver)
+
+    @staticmethod
+    def on_cuda(t: torch.Tensor) -> torch.Tensor:
+        class OnCuda(torch.Tensor):
+            @property
+            def device(self):
+                return torch.device("cuda", 0)
+        return t.as_subclass(OnCuda)
+
+
 def test_compiled_launch_reuses_a_variant_only_for_the_same_specialisation(monkeypatch):
-    """kernels.CompiledLaunch, with a stand-in for a Triton kernel and the CUDA driver: the first
-    launch of a variant goes through `kernel[grid](...)` and keeps what it returns; a launch with
+    """kernel_launch.CompiledLaunch, with a stand-in for a Triton kernel and the CUDA driver: the
+    first launch of a variant goes through `kernel[grid](...)` and keeps what it returns; a launch with
     the same dtypes, 16-byte alignment and integer values calls that variant's launcher with the
     grid padded to 3, the current stream and the constexprs after the arguments; another
     alignment, integer or device, or a launch hook (a profiler), takes `kernel[grid]` again."""
-    import types
-
     import triton
 
-    from minipaged.sampling import kernels
+    from minipaged import kernel_launch
 
-    jit_calls, runs = [], []
-
-    class Compiled:
-        function, packed_metadata = "function", "metadata"
-
-        def run(self, *args):
-            runs.append(args)
-
-    class Kernel:
-        arg_names = ["y_ptr", "x_ptr", "n", "BLOCK"]
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                jit_calls.append((grid, args, kwargs))
-                return Compiled()
-            return launch
-
-    device = [0]
-    driver = types.SimpleNamespace(active=types.SimpleNamespace(
-        get_current_device=lambda: device[0], get_current_stream=lambda d: 100 + d))
-    monkeypatch.setattr(triton.runtime, "driver", driver)
-
-    class OnCuda(torch.Tensor):  # a CPU tensor that says it is on the GPU
-        @property
-        def device(self):
-            return torch.device("cuda", 0)
-
-    launch = kernels.CompiledLaunch(Kernel())
+    stand_in = _StandIn(monkeypatch, ["y_ptr", "x_ptr", "n", "BLOCK"])
+    jit_calls, runs, device = stand_in.jit_calls, stand_in.runs, stand_in.device
+    launch = kernel_launch.CompiledLaunch(stand_in.kernel)
     buf = torch.zeros(64, dtype=torch.int32)
-    first = torch.zeros(8).as_subclass(OnCuda)
+    first = stand_in.on_cuda(torch.zeros(8))
     launch((4,), first, buf, 7, num_warps=2, BLOCK=16)  # new: Triton's path
     assert len(jit_calls) == 1 and not runs
     launch((8, 2), first, buf, 7, num_warps=2, BLOCK=16)  # same variant, another grid
@@ -253,6 +270,24 @@ def test_compiled_launch_reuses_a_variant_only_for_the_same_specialisation(monke
         triton.knobs.runtime.launch_enter_hook.remove(hook)
     assert len(jit_calls) == 7 and len(runs) == 2
     with pytest.raises(AssertionError):  # constexprs out of the kernel's order
-        kernels.CompiledLaunch(Kernel())((4,), first, buf, num_warps=2, BLOCK=16, n=7)
+        kernel_launch.CompiledLaunch(stand_in.kernel)((4,), first, buf, num_warps=2, BLOCK=16, n=7)
     with pytest.raises(AssertionError):  # a bool would share an int's variant (True == 1)
-        kernels.CompiledLaunch(Kernel())((4,), first, buf, True, num_warps=2, BLOCK=16)
+        kernel_launch.CompiledLaunch(stand_in.kernel)((4,), first, buf, True, num_warps=2, BLOCK=16)
+
+
+def test_compiled_launch_keys_an_unspecialised_integer_by_its_type_only(monkeypatch):
+    """An integer the kernel does not specialise on (`do_not_specialize`: the sampler's per-step
+    seed) takes the same variant whatever its value, and another one only where its type changes
+    (past 32 bits): without this every step's new seed went through Triton's dispatch and kept
+    one more variant."""
+    from minipaged import kernel_launch
+
+    stand_in = _StandIn(monkeypatch, ["x_ptr", "seed", "BLOCK"], unspecialized=("seed",))
+    jit_calls, runs = stand_in.jit_calls, stand_in.runs
+    launch = kernel_launch.CompiledLaunch(stand_in.kernel)
+    x = stand_in.on_cuda(torch.zeros(8))
+    for seed in (5, 16, 1, 2**31 - 1, 12345):
+        launch((1,), x, seed, num_warps=1, BLOCK=16)
+    assert len(jit_calls) == 1 and len(runs) == 4 and len(launch.variants) == 1
+    launch((1,), x, 2**40, num_warps=1, BLOCK=16)  # a 64-bit integer: another variant
+    assert len(jit_calls) == 2 and len(launch.variants) == 2

@@ -48,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minipaged.kernel_launch import CompiledLaunch
 from minipaged.sampling.params import TokenMask
 
 
@@ -194,59 +195,6 @@ def masked_argmax_kernel(
         opened = tl.maximum(opened, tl.max(allowed_open, axis=0))
     tl.store(out_ptr + row, tl.minimum(best_token, vocab - 1).to(tl.int64))
     tl.store(out_ptr + tl.num_programs(0) + row, (opened == 0).to(tl.int64))
-
-
-class CompiledLaunch:
-    """Launch a Triton kernel on the GPU through the variant Triton compiled for the arguments,
-    skipping the per-call dispatch of `kernel[grid](...)`.
-
-    That dispatch binds and specialises every argument and looks the variant up: 23 us of host time
-    a launch of masked_argmax_kernel on the H200's host, against 15 us through the compiled
-    variant's launcher (benchmarks/experiments/structured_outputs/masked_argmax_launch.py), and a
-    host-bound decode step pays it on its critical path. Variants are kept, per device, by what
-    Triton specialises on: each tensor's dtype and whether its address is a multiple of 16, and each
-    integer's value (stricter than Triton's "1 / divisible by 16", so never a wrong variant), except
-    an integer the kernel does not specialise on (`do_not_specialize`, a per-step seed): only
-    whether it fits in 32 bits, which picks its type. The arguments are tensors and ints only, the
-    other ints taking few values (strides, sizes); the kernel
-    uses no globals that change and has no pre-run hooks, which Triton's path checks and this one
-    does not. The first launch of a variant, the interpreter, and a launch hook (a profiler) take
-    Triton's own path. (A cache of compiled code, as Triton's own is.)"""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-        self.variants: dict = {}
-        self.unspecialized = {p.num for p in getattr(kernel, "params", ())  # (interpreter: none)
-                              if p.do_not_specialize}
-
-    def __call__(self, grid: tuple, *args, num_warps: int, **constexprs) -> None:
-        """kernel[grid](*args, num_warps=num_warps, **constexprs): every argument before the
-        constexprs positional, the constexprs by name in the kernel's order."""
-        if args[0].device.type != "cuda":  # the interpreter
-            self.kernel[grid](*args, num_warps=num_warps, **constexprs)
-            return
-        device = triton.runtime.driver.active.get_current_device()  # as Triton launches
-        key = (device, num_warps, *constexprs.values(), *(
-            (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
-            else (-2**31 <= a < 2**31) if i in self.unspecialized else a
-            for i, a in enumerate(args)))
-        compiled = self.variants.get(key)
-        if compiled is None or _launch_hooked():
-            assert list(constexprs) == self.kernel.arg_names[len(args):], list(constexprs)
-            assert all(isinstance(a, torch.Tensor) or type(a) is int for a in args), args
-            self.variants[key] = self.kernel[grid](*args, num_warps=num_warps, **constexprs)
-            return
-        stream = triton.runtime.driver.active.get_current_stream(device)
-        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                     stream, compiled.function, compiled.packed_metadata, None, None, None,
-                     *args, *constexprs.values())
-
-
-def _launch_hooked() -> bool:
-    """Has a launch hook (a profiler's) been set? (Triton 3.6 keeps them as chains of calls.)"""
-    runtime = triton.knobs.runtime
-    return any(h is not None and getattr(h, "calls", True)
-               for h in (runtime.launch_enter_hook, runtime.launch_exit_hook))
 
 
 def _checked(mask: TokenMask, rows: int, vocab: int) -> TokenMask:

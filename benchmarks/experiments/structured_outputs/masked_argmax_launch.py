@@ -1,5 +1,5 @@
 """Host time of the greedy grammar-masked step's launches on the GPU: what the main thread spends,
-per call, on `masked_argmax` (through `kernels.CompiledLaunch`, the compiled variant's launcher),
+per call, on `masked_argmax` (through `kernel_launch.CompiledLaunch`, the compiled variant's launcher),
 on the same kernel through Triton's own dispatch (`kernel[grid](...)`), on a torch argmax over
 the same logits (an unmasked greedy step's launch, for scale) and on copying a step's host
 bitmask to the GPU (what `StructuredOutputManager.token_mask` does). 64 rows of Qwen3's 151,936
