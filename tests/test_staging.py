@@ -1,7 +1,6 @@
-"""A GPU step's inputs on their way: the pinned staging buffers (worker/staging.py), the
-in-flight token gather of async scheduling (gpu_model_runner.in_flight_tokens) and the one
-launch into a CUDA graph's static buffers (worker/cuda_graphs.py), on the CPU; tests/test_gpu.py
-runs the pinned copies on a GPU, and its parity tests the graphs."""
+"""A GPU step's inputs on their way: the pinned staging buffers (worker/staging.py) and the
+in-flight token gather of async scheduling (gpu_model_runner.in_flight_tokens), on the CPU;
+tests/test_gpu.py runs the pinned copies on a GPU."""
 import numpy as np
 import pytest
 import torch
@@ -59,31 +58,3 @@ def test_in_flight_tokens_matches_the_gather(from_gpu, gpu_rows, n):
     out = in_flight_tokens(ids.clone(), from_gpu, gpu_rows, torch.tensor(from_gpu),
                            torch.tensor(gpu_rows), tokens)
     assert torch.equal(out, expected)
-
-
-@pytest.mark.parametrize("b, bs, width", [(1, 1, 16), (3, 4, 200), (8, 8, 128)])
-def test_graph_inputs_kernel_fills_the_static_buffers_like_the_copies(b, bs, width):
-    """worker/cuda_graphs.py's one launch that puts a step's inputs into a graph's static
-    buffers: rows < b copied (block-table rows wider than one BLOCK too), padding rows get slot
-    -1 and context length 0, and nothing else of the static buffers changes (under the Triton
-    interpreter)."""
-    from minipaged.worker import cuda_graphs
-    max_bs, max_blocks = 8, 256
-    g = torch.Generator().manual_seed(b * 100 + width)
-    ids, pos, slots = (torch.randint(0, 1000, (b,), generator=g) for _ in range(3))
-    ctx = torch.randint(1, 500, (b,), generator=g, dtype=torch.int32)
-    tables = torch.randint(0, 99, (b, width), generator=g, dtype=torch.int32)
-    static = [torch.full((max_bs,), 7), torch.full((max_bs,), 7), torch.full((max_bs,), 7),
-              torch.full((max_bs,), 7, dtype=torch.int32),
-              torch.full((max_bs, max_blocks), 7, dtype=torch.int32)]
-    expected = [t.clone() for t in static]
-    for t, src in zip(expected, (ids, pos, slots, ctx)):
-        t[:b] = src
-    expected[2][b:bs] = -1
-    expected[3][b:bs] = 0
-    expected[4][:b, :width] = tables
-    cuda_graphs._graph_inputs_launch(
-        (bs,), ids, pos, slots, ctx, tables, *static, b, width, tables.stride(0),
-        static[4].stride(0), BLOCK=128, num_warps=1)
-    for got, want in zip(static, expected):
-        assert torch.equal(got, want)

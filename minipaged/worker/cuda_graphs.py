@@ -12,11 +12,6 @@ eagerly. Only backends whose attention never reads device tensors back on the ho
 backend) can be captured; the split-KV factor is fixed per captured batch size, chosen for
 `max_model_len`, so every replay launches the same grid.
 
-A step's inputs reach the static buffers in one launch, `graph_inputs_kernel`: one program per
-captured row copies that sequence's token id, position, slot, context length and block-table row,
-and a padding row gets slot -1 and context length 0. Five copies and two fills, launched one by
-one from Python, cost the host more than the replay itself on a one-stream step.
-
 A set may also record the LM head for its smallest batch sizes (`logits_max_batch`): the replay
 then returns the step's logits too, and the host launches nothing else for the forward. That is
 where a step's host work sets the pace (one stream: lesson 08's profile). Larger batches keep
@@ -32,12 +27,9 @@ tensor-parallel rank (tp_worker.py).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from minipaged.attention import AttentionMetadata
 from minipaged.attention.metadata import BLOCK_TABLE_WIDTH_MULTIPLE
-from minipaged.kernel_launch import CompiledLaunch
 from minipaged.utils import cdiv
 
 
@@ -48,35 +40,6 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     if sizes[-1] != max_num_seqs:
         sizes.append(max_num_seqs)
     return sizes
-
-
-@triton.jit(do_not_specialize=["num_seqs", "width"])
-def graph_inputs_kernel(
-    input_ids_ptr, positions_ptr, slot_mapping_ptr,  # the step's, (num_seqs,) int64
-    context_lens_ptr,  # (num_seqs,) int32
-    block_tables_ptr,  # (num_seqs, width) int32, rows contiguous
-    static_ids_ptr, static_positions_ptr, static_slots_ptr, static_context_lens_ptr,
-    static_block_tables_ptr,  # the graph's, (max_bs,) and (max_bs, stride_static_bt)
-    num_seqs, width, stride_bt, stride_static_bt,
-    BLOCK: tl.constexpr,  # block-table entries copied per iteration
-):
-    row = tl.program_id(0)  # one program per row of the captured batch size
-    if row < num_seqs:
-        tl.store(static_ids_ptr + row, tl.load(input_ids_ptr + row))
-        tl.store(static_positions_ptr + row, tl.load(positions_ptr + row))
-        tl.store(static_slots_ptr + row, tl.load(slot_mapping_ptr + row))
-        tl.store(static_context_lens_ptr + row, tl.load(context_lens_ptr + row))
-        for start in range(0, width, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            entries = tl.load(block_tables_ptr + row * stride_bt + cols, mask=cols < width)
-            tl.store(static_block_tables_ptr + row * stride_static_bt + cols, entries,
-                     mask=cols < width)
-    else:  # padding: stores nothing, reads nothing
-        tl.store(static_slots_ptr + row, -1)
-        tl.store(static_context_lens_ptr + row, 0)
-
-
-_graph_inputs_launch = CompiledLaunch(graph_inputs_kernel)
 
 
 class CUDAGraphRunner:
@@ -160,12 +123,15 @@ class CUDAGraphRunner:
         """Replay the decode step for `metadata.num_seqs` sequences; returns (num_seqs, hidden)."""
         b = metadata.num_seqs
         bs = next(s for s in self.sizes if s >= b)
-        tables = metadata.block_tables  # (b, width)
-        _graph_inputs_launch(
-            (bs,), input_ids, positions, metadata.slot_mapping, metadata.context_lens, tables,
-            self.input_ids, self.positions, self.slot_mapping, self.context_lens,
-            self.block_tables, b, tables.shape[1], tables.stride(0), self.block_tables.stride(0),
-            BLOCK=128, num_warps=1)
+        self.input_ids[:b].copy_(input_ids, non_blocking=True)
+        self.positions[:b].copy_(positions, non_blocking=True)
+        self.slot_mapping[:b].copy_(metadata.slot_mapping, non_blocking=True)
+        self.context_lens[:b].copy_(metadata.context_lens, non_blocking=True)
+        if bs > b:  # padding rows: nothing stored, nothing read (each fill is a launch)
+            self.slot_mapping[b:bs].fill_(-1)
+            self.context_lens[b:bs].fill_(0)
+        width = metadata.block_tables.shape[1]
+        self.block_tables[:b, :width].copy_(metadata.block_tables, non_blocking=True)
         self.graphs[bs].replay()
         return self.outputs[bs][:b]
 
