@@ -67,17 +67,19 @@ class CompiledLaunch:
     """Launch a Triton kernel on the GPU through the variant Triton compiled for the arguments,
     skipping the per-call dispatch of `kernel[grid](...)`.
 
-    That dispatch binds and specialises every argument and looks the variant up: 23 us of host time
-    a launch of masked_argmax_kernel on the H200's host, against 15 us through the compiled
-    variant's launcher (benchmarks/experiments/structured_outputs/masked_argmax_launch.py), and a
-    host-bound decode step pays it on its critical path (the sampler's kernels, sampling/kernels.py).
-    Variants are kept, per device, by what Triton specialises on: each tensor's dtype and whether
-    its address is a multiple of 16, and each integer's value (stricter than Triton's "1 / divisible by 16", so never a wrong variant), except
-    an integer the kernel does not specialise on (`do_not_specialize`, a per-step seed): only
-    whether it fits in 32 bits, which picks its type. The arguments are tensors and ints only, the
-    other ints taking few values (strides, sizes); the kernel uses no globals that change and has
-    no pre-run hooks, which Triton's path checks and this one does not. The first launch of a variant, the interpreter, and a launch hook (a profiler) take
-    Triton's own path. (A cache of compiled code, as Triton's own is.)"""
+    That dispatch binds and specialises every argument and looks the variant up: 23 us of host
+    time a launch of masked_argmax_kernel on the H200's host, against 15 us through the compiled
+    variant's launcher (benchmarks/experiments/structured_outputs/masked_argmax_launch.py), and
+    a host-bound decode step pays it on its critical path (the sampler's kernels,
+    sampling/kernels.py). Variants are kept, per device, by what Triton specialises on: each
+    tensor's dtype and whether its address is a multiple of 16, and each integer's value
+    (stricter than Triton's "1 / divisible by 16", so never a wrong variant), except an integer
+    the kernel does not specialise on (`do_not_specialize`, a per-step seed): only whether it
+    fits in 32 bits, which picks its type. The arguments are tensors and ints only, the other
+    ints taking few values (strides, sizes); the kernel uses no globals that change and has no
+    pre-run hooks, which Triton's path checks and this one does not. The first launch of a
+    variant, the interpreter, and a launch hook (a profiler) take Triton's own path. (A cache of
+    compiled code, as Triton's own is.)"""
 
     def __init__(self, kernel):
         self.kernel = kernel

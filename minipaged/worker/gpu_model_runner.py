@@ -50,8 +50,9 @@ def in_flight_tokens(ids: torch.Tensor, from_gpu: list[int], gpu_rows: list[int]
     device). A decode step of the same sequences in the same order, the common case, takes a
     slice of `tokens` as it is, with no kernel; a contiguous run, one copy; else a gather."""
     k = len(from_gpu)
-    if from_gpu[-1] - from_gpu[0] == k - 1 and gpu_rows == list(range(gpu_rows[0], gpu_rows[0] + k)):
-        run = tokens[gpu_rows[0]:gpu_rows[0] + k]
+    first = gpu_rows[0]
+    if from_gpu[-1] - from_gpu[0] == k - 1 and gpu_rows == list(range(first, first + k)):
+        run = tokens[first:first + k]
         if k == ids.shape[0]:
             return run
         ids[from_gpu[0]:from_gpu[0] + k].copy_(run)

@@ -1,4 +1,4 @@
-"""Pinned host buffers that a step's small inputs are written into, then copied in one go (lesson 08).
+"""Pinned host buffers a step's small inputs are written into, then copied in one go (lesson 08).
 
 Each step the GPU runner builds a few small arrays on the host (token ids, positions, slots,
 block tables, lengths) and sends them to the GPU. A copy that must not make the host wait for
