@@ -105,6 +105,10 @@ class CUDAGraphRunner:
         """A decode step (one token per sequence) of at most max_bs sequences."""
         return metadata.max_query_len == 1 and metadata.num_seqs <= self.max_bs
 
+    def padded_size(self, num_seqs: int) -> int:
+        """The captured batch size that replays `num_seqs` sequences: the smallest >= it."""
+        return next(s for s in self.sizes if s >= num_seqs)
+
     def has_logits(self, num_seqs: int) -> bool:
         """Does the graph that replays `num_seqs` sequences compute the logits too?"""
         return num_seqs <= self.logits_max_batch
@@ -115,14 +119,14 @@ class CUDAGraphRunner:
         """`run`, for a size that `has_logits`: the step's (num_seqs, vocab) logits."""
         b = metadata.num_seqs
         self.run(input_ids, positions, metadata)
-        return self.logits[next(s for s in self.sizes if s >= b)][:b]
+        return self.logits[self.padded_size(b)][:b]
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             metadata: AttentionMetadata) -> torch.Tensor:
         """Replay the decode step for `metadata.num_seqs` sequences; returns (num_seqs, hidden)."""
         b = metadata.num_seqs
-        bs = next(s for s in self.sizes if s >= b)
+        bs = self.padded_size(b)
         self.input_ids[:b].copy_(input_ids, non_blocking=True)
         self.positions[:b].copy_(positions, non_blocking=True)
         self.slot_mapping[:b].copy_(metadata.slot_mapping, non_blocking=True)

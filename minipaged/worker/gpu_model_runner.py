@@ -36,7 +36,7 @@ from minipaged.attention import AttentionBackend, AttentionMetadata
 from minipaged.attention.metadata import BLOCK_TABLE_WIDTH_MULTIPLE
 from minipaged.attention.triton_backend import TritonBackend
 from minipaged.engine.scheduler import SchedulerOutput
-from minipaged.utils import cdiv, to_device
+from minipaged.utils import cdiv
 from minipaged.worker.cuda_graphs import DECODE, CUDAGraphRunner, CUDAGraphs
 from minipaged.worker.kv_cache import copy_blocks
 from minipaged.worker.model_runner import ModelRunner
@@ -167,15 +167,9 @@ class GPUModelRunner(ModelRunner):
         graphs = self.cuda_graphs.find(metadata, decode_variant)
         if graphs is not None and graphs.has_logits(metadata.num_seqs):  # the LM head replayed too
             logits = graphs.run_logits(input_ids, positions, metadata)  # (num_seqs, vocab)
-            return self.sample_rows_of(logits, sample_rows)
+            return self.sampled_rows(logits, sample_rows)
         hidden = self.forward(input_ids, positions, metadata, decode_variant)
         return self.compute_logits(hidden, sample_rows)
-
-    def sample_rows_of(self, logits: torch.Tensor, sample_rows: list[int]) -> torch.Tensor:
-        """The rows of a step's logits (one per token) that sample, in the sampler's order."""
-        if sample_rows == list(range(logits.shape[0])):
-            return logits
-        return logits[to_device(sample_rows, self.device, torch.long)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 metadata: AttentionMetadata, decode_variant: str = DECODE) -> torch.Tensor:

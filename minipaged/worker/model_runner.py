@@ -96,6 +96,10 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv_cache, metadata)  # (num_tokens, hidden)
 
     def compute_logits(self, hidden: torch.Tensor, sample_rows: list[int]) -> torch.Tensor:
-        if sample_rows != list(range(hidden.shape[0])):
-            hidden = hidden[to_device(sample_rows, self.device, torch.long)]
-        return self.model.compute_logits(hidden)  # (num_sampling_seqs, vocab)
+        return self.model.compute_logits(self.sampled_rows(hidden, sample_rows))  # (seqs, vocab)
+
+    def sampled_rows(self, rows: torch.Tensor, sample_rows: list[int]) -> torch.Tensor:
+        """The rows of `rows` (one per token of the step) that sample, in the sampler's order."""
+        if sample_rows == list(range(rows.shape[0])):
+            return rows
+        return rows[to_device(sample_rows, self.device, torch.long)]
